@@ -1,0 +1,27 @@
+# make setup: .venv with the CPU build of torch and this project (editable); safe to run again.
+# make train: the default recipe (Multi30k de->en): train, evaluate on the test sets, show samples.
+# make test:  the test suite.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup train test lint
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+train: setup
+	$(BIN)/python train.py
+
+# pytest exits with 5 when it collects no tests; that is not a failure of the suite.
+test: setup
+	$(BIN)/python -m pytest || [ $$? -eq 5 ]
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .

@@ -1,0 +1,31 @@
+import gzip
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "multi30k"
+
+
+def write_corpus(directory: Path, split: str, pairs: dict[str, list[str]], gz: bool = True) -> None:
+    """Write one split as {split}.{lang}[.gz] files, one sentence per line."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for lang, lines in pairs.items():
+        data = "".join(line + "\n" for line in lines).encode("utf-8")
+        if gz:
+            (directory / f"{split}.{lang}.gz").write_bytes(gzip.compress(data))
+        else:
+            (directory / f"{split}.{lang}").write_bytes(data)
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> Path:
+    """A small real slice of Multi30k (de, en) in the shipped layout."""
+    out = tmp_path / "corpus"
+    for split, n in (("train", 400), ("val", 40), ("test_2016_flickr", 40)):
+        pairs = {}
+        for lang in ("de", "en"):
+            with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+                pairs[lang] = [next(f).strip() for _ in range(n)]
+        write_corpus(out, split, pairs)
+    return out

@@ -1,0 +1,58 @@
+"""Every config in configs/ composes and validates; bad keys and values fail clearly."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from transformer.config import Config, ConfigError, to_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+GROUP_OPTIONS = [
+    (group.name, option.stem)
+    for group in sorted(CONFIGS.iterdir())
+    if group.is_dir()
+    for option in sorted(group.glob("*.yaml"))
+]
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.mark.parametrize("group, option", GROUP_OPTIONS, ids=[f"{g}={o}" for g, o in GROUP_OPTIONS])
+def test_every_config_composes_into_the_typed_config(group, option):
+    cfg = to_config(compose_config([f"{group}={option}"]))
+    assert isinstance(cfg, Config)
+
+
+def test_default_is_the_multi30k_de_en_recipe():
+    cfg = to_config(compose_config([]))
+    assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("de", "en")
+    assert cfg.data.dir == "data/multi30k" and cfg.trainer.max_minutes > 0
+
+
+def test_base_preset_is_the_paper_base_model():
+    m = to_config(compose_config(["model=base"])).model
+    assert (m.n_encoder_layers, m.n_decoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 6, 512, 8, 2048, 0.1)
+
+
+def test_overrides_from_the_readme_apply():
+    cfg = to_config(compose_config(["model=small", "trainer.max_steps=2000", "data.src_lang=en", "data.tgt_lang=de"]))
+    assert (cfg.model.n_encoder_layers, cfg.trainer.max_steps, cfg.data.src_lang, cfg.name) == (3, 2000, "en", "en-de")
+
+
+def test_unknown_key_is_refused_by_hydra():
+    with pytest.raises(ConfigCompositionException, match="model.colour"):
+        compose_config(["model.colour=blue"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.lr=fast", "trainer.lr"), ("model.n_heads=3", "model.d_model"), ("trainer.precision=fp8", "trainer.precision")],
+)
+def test_wrong_value_names_the_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        to_config(compose_config([override]))

@@ -1,0 +1,71 @@
+"""One self-contained checkpoint file: weights, model config, tokenizer, training config, step.
+
+Everything in it is a tensor or a plain Python value, so it loads with
+`torch.load(weights_only=True)`, which refuses arbitrary pickled objects.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .model import ModelConfig, Transformer
+from .tokenizer import Tokenizer
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(Exception):
+    """A file that is not a loadable checkpoint of this format; the message names it."""
+
+
+def save(path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dict, step: int, **extra) -> None:
+    """Write atomically: a crash mid-save leaves the previous file at `path` intact."""
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "model_config": asdict(model.cfg),
+        "model": model.state_dict(),
+        "tokenizer": torch.frombuffer(bytearray(tokenizer.model_bytes), dtype=torch.uint8),
+        "train_config": train_config,
+        "step": step,
+        **extra,
+    }
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first_line = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{path} is not a safe checkpoint (refused to unpickle: {first_line})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or "format_version" not in payload:
+        raise CheckpointError(f"{path} is not a checkpoint of this toolkit")
+    if payload["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {payload['format_version']}, expected {FORMAT_VERSION}")
+    return payload
+
+
+def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
+    """Model (in eval mode), tokenizer and the raw payload of a checkpoint."""
+    payload = load(path, device)
+    model = Transformer(ModelConfig(**payload["model_config"])).to(device)
+    model.load_state_dict(payload["model"])
+    tokenizer = Tokenizer(payload["tokenizer"].cpu().numpy().tobytes())
+    return model.eval(), tokenizer, payload

@@ -1,0 +1,64 @@
+"""Typed run configuration. The only module that knows the shape of the Hydra config in configs/.
+
+Entry points compose a DictConfig with Hydra and call `to_config`; library code receives these
+dataclasses and never imports Hydra.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .checkpoint import CheckpointError
+from .data import DataConfig, DataError
+from .decoding import DecodeConfig
+from .model import ModelConfig
+from .training import TrainerConfig
+
+
+@dataclass
+class Config:
+    name: str = "run"
+    seed: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+class ConfigError(Exception):
+    """A config key that is unknown or has a value of the wrong type or range."""
+
+
+def to_config(cfg: DictConfig, schema: type = Config):
+    """Validate a composed config against the dataclasses (unknown keys, types, ranges)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(one_line(e)) from None
+    except ValueError as e:  # raised by a dataclass's __post_init__ check
+        raise ConfigError(str(e)) from None
+
+
+def one_line(error: OmegaConfBaseException) -> str:
+    message = str(error).strip().splitlines()[0]
+    key = getattr(error, "full_key", None)
+    return f"config key {key}: {message}" if key else message
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+@contextmanager
+def exit_on_user_error():
+    """Turn a user's mistake into one 'error: ...' line on stderr and exit status 2, no traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

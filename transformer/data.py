@@ -1,0 +1,209 @@
+"""Parallel corpora -> `datasets.Dataset` -> token-id pairs -> padded batches by token count.
+
+A corpus is two aligned files per split, `{dir}/{split}.{lang}` or `{dir}/{split}.{lang}.gz`,
+one sentence per line (the Multi30k layout), or a dataset on the Hugging Face Hub.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import datasets
+import numpy as np
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+datasets.disable_progress_bars()
+
+
+class DataError(Exception):
+    """Bad input data; the message names the file, line or key at fault."""
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/multi30k"  # local corpus directory (ignored when hub_name is set)
+    hub_name: Optional[str] = None  # e.g. "bentrevett/multi30k"; needs network access
+    hub_config: Optional[str] = None
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    train_split: str = "train"
+    valid_split: str = "val"
+    test_splits: list[str] = field(default_factory=lambda: ["test_2016_flickr", "test_2017_flickr"])
+    vocab_size: int = 8000  # joint SentencePiece vocabulary for both languages
+    spm_model_type: str = "unigram"  # or "bpe", "char", "word"
+    max_tokens: int = 4096  # padded tokens per batch and side
+    max_len: int = 256  # training pairs with a longer side (in tokens) are dropped
+
+
+# --- Reading ------------------------------------------------------------------------------------
+
+
+def read_lines(path: Path) -> list[str]:
+    """All lines of a plain or gzip UTF-8 file, stripped of surrounding whitespace."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    try:
+        return [line.decode("utf-8").strip() for line in lines]
+    except UnicodeDecodeError:
+        bad = next(i for i, line in enumerate(lines, 1) if not _is_utf8(line))
+        raise DataError(f"{path}:{bad}: line is not valid UTF-8") from None
+
+
+def _is_utf8(line: bytes) -> bool:
+    try:
+        line.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def corpus_file(directory: Path, split: str, lang: str) -> Path:
+    for name in (f"{split}.{lang}.gz", f"{split}.{lang}"):
+        if (directory / name).is_file():
+            return directory / name
+    if not directory.is_dir():
+        raise DataError(f"data directory {directory} does not exist (data.dir)")
+    langs = sorted({p.name.split(".")[1] for p in directory.glob(f"{split}.*") if p.name.count(".") >= 1})
+    if langs:
+        raise DataError(f"unknown language code {lang!r}: no {directory}/{split}.{lang}[.gz]; available: {', '.join(langs)}")
+    raise DataError(f"missing data file {directory}/{split}.{lang}[.gz] (split {split!r})")
+
+
+def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+    """One split as a Dataset with string columns "src" and "tgt"."""
+    if cfg.hub_name:
+        return _load_hub_split(cfg, split)
+    directory = Path(cfg.dir)
+    src_path, tgt_path = corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang)
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        raise DataError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}")
+    return datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+
+
+def _load_hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+    """Hub datasets come as a "translation" column of {lang: text} or as one column per language."""
+    ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
+    if "translation" in ds.column_names:
+        ds = ds.map(lambda ex: {lang: ex["translation"][lang] for lang in (cfg.src_lang, cfg.tgt_lang)})
+    for lang in (cfg.src_lang, cfg.tgt_lang):
+        if lang not in ds.column_names:
+            raise DataError(f"unknown language code {lang!r} for {cfg.hub_name}: columns are {ds.column_names}")
+    return ds.map(
+        lambda ex: {"src": ex[cfg.src_lang].strip(), "tgt": ex[cfg.tgt_lang].strip()},
+        remove_columns=ds.column_names,
+    )
+
+
+# --- Token ids ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenizedCorpus:
+    """Token ids of one split (no BOS/EOS yet), aligned with the raw text."""
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+    src_text: list[str]
+    tgt_text: list[str]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def lengths(self) -> np.ndarray:
+        """Padded length of each pair in a batch: the longer side plus its BOS/EOS."""
+        return np.array([max(len(s), len(t)) + 1 for s, t in zip(self.src, self.tgt)], dtype=np.int64)
+
+
+def tokenize(ds: datasets.Dataset, tokenizer) -> TokenizedCorpus:
+    ids = ds.map(
+        lambda batch: {"src_ids": tokenizer.encode(batch["src"]), "tgt_ids": tokenizer.encode(batch["tgt"])},
+        batched=True,
+        batch_size=2048,
+    )
+    columns = ids.to_dict()
+    return TokenizedCorpus(columns["src_ids"], columns["tgt_ids"], columns["src"], columns["tgt"])
+
+
+def clean_training_pairs(ds: datasets.Dataset, split_name: str) -> datasets.Dataset:
+    """Drop pairs with an empty side and report how many; refuse an empty training set."""
+    kept = ds.filter(lambda ex: bool(ex["src"]) and bool(ex["tgt"]))
+    if len(kept) < len(ds):
+        log.info("dropped %d of %d %s pairs with an empty side", len(ds) - len(kept), len(ds), split_name)
+    if len(kept) == 0:
+        raise DataError(f"the training split {split_name!r} has no non-empty sentence pairs")
+    return kept
+
+
+def filter_long(corpus: TokenizedCorpus, max_len: int) -> TokenizedCorpus:
+    keep = [i for i, (s, t) in enumerate(zip(corpus.src, corpus.tgt)) if max(len(s), len(t)) + 1 <= max_len]
+    if len(keep) < len(corpus):
+        log.info("dropped %d of %d training pairs longer than %d tokens", len(corpus) - len(keep), len(corpus), max_len)
+    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
+    return TokenizedCorpus(pick(corpus.src), pick(corpus.tgt), pick(corpus.src_text), pick(corpus.tgt_text))
+
+
+# --- Batches ------------------------------------------------------------------------------------
+
+
+def token_batches(lengths: np.ndarray, max_tokens: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """Group sentence indices so each batch pads to at most max_tokens tokens.
+
+    Sorting by length keeps padding low; `rng` breaks ties among equal lengths and shuffles the
+    order of the batches (pass None for a fixed order, as in evaluation).
+    """
+    tiebreak = rng.random(len(lengths)) if rng is not None else np.arange(len(lengths))
+    order = np.lexsort((tiebreak, lengths))
+    batches, start = [], 0
+    while start < len(order):
+        end = start + 1  # a single over-long sentence still forms a batch of its own
+        while end < len(order) and (end - start + 1) * lengths[order[end]] <= max_tokens:
+            end += 1
+        batches.append(order[start:end])
+        start = end
+    if rng is not None:
+        rng.shuffle(batches)
+    return batches
+
+
+@dataclass
+class Batch:
+    src: Tensor  # (batch, src_len): tokens + EOS, right-padded
+    tgt_in: Tensor  # (batch, tgt_len): BOS + tokens, the decoder input
+    tgt_out: Tensor  # (batch, tgt_len): tokens + EOS, what the decoder must predict
+    indices: np.ndarray  # positions of these pairs in their corpus
+    n_src_tokens: int  # non-padding tokens, counted on the host so no device sync is needed
+    n_tgt_tokens: int
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.src), move(self.tgt_in), move(self.tgt_out), self.indices, self.n_src_tokens, self.n_tgt_tokens)
+
+
+def pad(sequences: list[list[int]], pad_id: int) -> Tensor:
+    out = torch.full((len(sequences), max(len(s) for s in sequences)), pad_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+    return out
+
+
+def collate(corpus: TokenizedCorpus, indices: np.ndarray, tokenizer) -> Batch:
+    bos, eos, pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+    src = pad([corpus.src[i] + [eos] for i in indices], pad_id)
+    tgt_in = pad([[bos] + corpus.tgt[i] for i in indices], pad_id)
+    tgt_out = pad([corpus.tgt[i] + [eos] for i in indices], pad_id)
+    n_src, n_tgt = sum(len(corpus.src[i]) + 1 for i in indices), sum(len(corpus.tgt[i]) + 1 for i in indices)
+    return Batch(src, tgt_in, tgt_out, indices, n_src, n_tgt)

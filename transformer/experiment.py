@@ -1,0 +1,106 @@
+"""A whole experiment: data and tokenizer -> model -> training -> test BLEU and sample translations."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize
+from .decoding import translate_corpus
+from .evaluation import score
+from .model import Transformer, count_parameters
+from .tokenizer import Tokenizer
+from .training import Trainer, autocast_dtype, pick_device
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
+    """Train the joint SentencePiece model on both sides of the training split, or reuse the run's."""
+    path = run_dir / "spm.model"
+    if path.is_file():
+        log.info("reusing tokenizer %s", path)
+        return Tokenizer.load(path)
+    started = time.monotonic()
+    tokenizer = Tokenizer.train(
+        list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
+    )
+    tokenizer.save(path)
+    log.info("trained a %d-piece %s tokenizer in %.1fs", len(tokenizer), cfg.data.spm_model_type, time.monotonic() - started)
+    return tokenizer
+
+
+def build_model(cfg, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=len(tokenizer), pad_id=tokenizer.pad_id)
+    model = Transformer(model_cfg).to(device)
+    log.info("model: %s parameters, %s", f"{count_parameters(model):,}", model_cfg)
+    return model
+
+
+def prepare_data(cfg, run_dir: Path) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+    train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
+    valid_ds = load_split(cfg.data, cfg.data.valid_split)
+    tokenizer = load_tokenizer(cfg, run_dir, train_ds)
+    train = filter_long(tokenize(train_ds, tokenizer), cfg.data.max_len)
+    log.info("%d training pairs, %d validation pairs (%s -> %s)", len(train), len(valid_ds), cfg.data.src_lang, cfg.data.tgt_lang)
+    return tokenizer, train, tokenize(valid_ds, tokenizer)
+
+
+def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device) -> dict[str, dict]:
+    """Decode each test split, write the hypotheses next to the checkpoints, report BLEU and chrF."""
+    results = {}
+    for split in cfg.data.test_splits:
+        corpus = tokenize(load_split(cfg.data, split), tokenizer)
+        hyps = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
+        (run_dir / f"{split}.{cfg.data.tgt_lang}.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        scores = score(hyps, corpus.tgt_text)
+        report(scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} (greedy)"))
+        results[split] = dataclasses.asdict(scores)
+        if split == cfg.data.test_splits[0]:
+            for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
+                report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
+    return results
+
+
+def report(message: str) -> None:
+    """Results: through logging, which train.py sends to stdout and to the run's log file."""
+    log.info(message)
+
+
+def run(cfg, run_dir: Path) -> dict:
+    """Train, then evaluate the best checkpoint on the test splits. Returns the test scores."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    device = pick_device(cfg.trainer.device)
+    log.info("run directory %s, device %s, autocast %s", run_dir, device, autocast_dtype(cfg.trainer.precision, device))
+    tokenizer, train, valid = prepare_data(cfg, run_dir)
+    model = build_model(cfg, tokenizer, device)
+    trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid)
+    trainer.fit()
+    best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
+    model.load_state_dict(best["model"])
+    state = trainer.state
+    step_seconds = max(state.train_seconds - state.valid_seconds, 1e-9)
+    report(
+        f"trained {state.step} steps ({state.epoch - 1} full epochs) in {state.train_seconds / 60:.1f} min "
+        f"({state.valid_seconds / 60:.1f} of them validating), "
+        f"{state.train_tokens / step_seconds:.0f} source+target tokens/s; "
+        f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
+    )
+    return evaluate_tests(cfg, run_dir, model, tokenizer, device)

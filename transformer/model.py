@@ -1,0 +1,387 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
+
+Read top to bottom: embeddings and positions, attention, the two layer kinds, the two stacks,
+and the model that ties them together.
+
+Mask convention, used everywhere in this package: a boolean tensor where True means "this query
+may attend to this key". Masks broadcast against attention scores of shape
+(batch, heads, query_len, key_len); `padding_mask` and `causal_mask` build them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+POSITIONAL_KINDS = ("sinusoidal", "learned")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 8000  # joint source/target vocabulary; train.py sets it from the tokenizer
+    pad_id: int = 0
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    d_model: int = 512
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None  # None: = n_heads (MHA); 1: multi-query; between: grouped-query
+    d_ff: int = 2048
+    dropout: float = 0.1  # on embeddings and on every sublayer output before the residual add
+    attention_dropout: float = 0.0  # on attention weights
+    activation_dropout: float = 0.0  # inside the feed-forward network, after the ReLU
+    bias: bool = True  # bias terms in the attention projections W_q, W_k, W_v, W_o
+    norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
+    positional: str = "sinusoidal"  # or "learned"
+    max_positions: int = 1024
+    tie_output: bool = True  # output projection shares the embedding matrix
+
+    def __post_init__(self) -> None:
+        kv_heads = self.kv_heads
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+        if kv_heads < 1 or self.n_heads % kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
+        if self.positional not in POSITIONAL_KINDS:
+            raise ValueError(f"model.positional={self.positional!r} is not one of {POSITIONAL_KINDS}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+
+def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
+    """(batch, len) token ids -> (batch, 1, 1, len): True where the key is a real token."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(query_len: int, offset: int = 0, device: torch.device | None = None) -> Tensor:
+    """(1, 1, query_len, offset + query_len): query i (at position offset + i) sees keys 0..offset + i."""
+    query_pos = torch.arange(offset, offset + query_len, device=device)[:, None]
+    key_pos = torch.arange(offset + query_len, device=device)[None, :]
+    return (key_pos <= query_pos)[None, None]
+
+
+# --- Embeddings and positions -------------------------------------------------------------------
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids -> vectors scaled by sqrt(d_model), so they are not drowned by the positions."""
+
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+        nn.init.zeros_(self.embed.weight[pad_id])
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.embed(tokens) * self.scale
+
+
+class SinusoidalPositions(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), added to the embeddings."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float)[:, None]
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_positions, d_model)
+        table[:, 0::2] = torch.sin(pos * inv_freq)
+        table[:, 1::2] = torch.cos(pos * inv_freq)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + self.table[offset : offset + x.size(1)].to(x.dtype)
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position, added to the embeddings."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        self.embed = nn.Embedding(max_positions, d_model)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + self.embed.weight[offset : offset + x.size(1)]
+
+
+# --- Attention ----------------------------------------------------------------------------------
+
+
+def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float):
+    """The explicit softmax(QK^T / sqrt(d_head)) V, returning the weights too (for inspection).
+
+    q: (batch, heads, q_len, d_head); k, v: (batch, kv_heads, k_len, d_head).
+    """
+    if k.size(1) != q.size(1):  # grouped-query: each key/value head serves a group of query heads
+        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (batch, heads, q_len, k_len)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1)
+    return F.dropout(weights, dropout_p) @ v, weights
+
+
+def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    """F.scaled_dot_product_attention with grouped-query support; same shapes as above.
+
+    On CPU, torch's flash kernel is several times slower than the plain math kernel for bf16
+    inputs at translation lengths (measured on torch 2.13), so bf16 on CPU takes the math kernel.
+    """
+    gqa = k.size(1) != q.size(1)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+class MultiHeadAttention(nn.Module):
+    """Project with W_q, W_k, W_v, split into heads, attend per head, merge, project with W_o.
+
+    With n_kv_heads < n_heads, keys and values have fewer heads than queries (GQA; MQA at 1).
+    `state`, a dict owned by the caller, makes decoding incremental: self-attention appends this
+    step's keys/values to it, cross-attention (static_kv=True) computes them once and reuses them.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, dropout: float, bias: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_model // n_heads
+        self.dropout = dropout
+        self.w_q = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
+        self.w_k = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.w_v = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.w_o = nn.Linear(n_heads * self.d_head, d_model, bias=bias)
+        for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
+            nn.init.xavier_uniform_(linear.weight)
+            if bias:
+                nn.init.zeros_(linear.bias)
+
+    def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
+        """(batch, len, n_heads * d_head) -> (batch, n_heads, len, d_head)"""
+        return x.unflatten(-1, (n_heads, self.d_head)).transpose(1, 2)
+
+    def keys_values(self, source: Tensor, state: dict | None, static_kv: bool) -> tuple[Tensor, Tensor]:
+        if state is not None and static_kv and "k" in state:
+            return state["k"], state["v"]
+        k = self.split_heads(self.w_k(source), self.n_kv_heads)
+        v = self.split_heads(self.w_v(source), self.n_kv_heads)
+        if state is not None:
+            if not static_kv and "k" in state:
+                k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
+            state["k"], state["v"] = k, v
+        return k, v
+
+    def forward(
+        self,
+        query: Tensor,
+        source: Tensor,
+        mask: Tensor | None,
+        state: dict | None = None,
+        static_kv: bool = False,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """query: (batch, q_len, d_model); source: (batch, k_len, d_model), the keys' and values' input."""
+        q = self.split_heads(self.w_q(query), self.n_heads)  # (batch, heads, q_len, d_head)
+        k, v = self.keys_values(source, state, static_kv)  # (batch, kv_heads, k_len, d_head)
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            out, weights = attention_with_weights(q, k, v, mask, dropout_p)
+        else:
+            out, weights = fast_attention(q, k, v, mask, dropout_p), None
+        out = out.transpose(1, 2).flatten(2)  # merge heads: (batch, q_len, d_model)
+        return self.w_o(out), weights
+
+
+# --- Layers -------------------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+        super().__init__()
+        self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(activation_dropout)
+        for linear in (self.linear1, self.linear2):
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(F.relu(self.linear1(x))))
+
+
+class AddNorm(nn.Module):
+    """Residual connection and LayerNorm around a sublayer.
+
+    Post-norm (the paper): x = LayerNorm(x + Dropout(sublayer(x))).
+    Pre-norm:              x = x + Dropout(sublayer(LayerNorm(x))).
+    A layer calls `before(x)` to get the sublayer's input and `after(x, y)` with its output y.
+    """
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm, self.dropout, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+
+    def before(self, x: Tensor) -> Tensor:
+        return self.norm(x) if self.norm_first else x
+
+    def after(self, x: Tensor, y: Tensor) -> Tensor:
+        x = x + self.dropout(y)
+        return x if self.norm_first else self.norm(x)
+
+
+def _attention(cfg: ModelConfig) -> MultiHeadAttention:
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.attention_dropout, cfg.bias)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention over the source, then the feed-forward network; each wrapped in Add & Norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn, self.self_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.ffn_norm = AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(self, x: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, dict]:
+        h = self.self_attn_norm.before(x)
+        h, self_weights = self.self_attn(h, h, src_mask, need_weights=need_weights)
+        x = self.self_attn_norm.after(x, h)
+        x = self.ffn_norm.after(x, self.ffn(self.ffn_norm.before(x)))
+        return x, {"self": self_weights}
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, cross-attention to the encoder output (memory), feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn, self.self_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.cross_attn, self.cross_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+        self.ffn_norm = AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        src_mask: Tensor,
+        tgt_mask: Tensor | None,
+        state: dict | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, dict]:
+        self_state = cross_state = None
+        if state is not None:
+            self_state, cross_state = state.setdefault("self", {}), state.setdefault("cross", {})
+        h = self.self_attn_norm.before(x)
+        h, self_weights = self.self_attn(h, h, tgt_mask, self_state, need_weights=need_weights)
+        x = self.self_attn_norm.after(x, h)
+        h = self.cross_attn_norm.before(x)
+        h, cross_weights = self.cross_attn(h, memory, src_mask, cross_state, static_kv=True, need_weights=need_weights)
+        x = self.cross_attn_norm.after(x, h)
+        x = self.ffn_norm.after(x, self.ffn(self.ffn_norm.before(x)))
+        return x, {"self": self_weights, "cross": cross_weights}
+
+
+# --- Stacks and the model -----------------------------------------------------------------------
+
+
+@dataclass
+class DecoderState:
+    """What incremental decoding keeps between steps: one dict per decoder layer holding the
+    self-attention keys/values of the tokens so far and the cross-attention keys/values of memory."""
+
+    layers: list[dict] = field(default_factory=list)
+    length: int = 0  # target tokens already decoded; the next token's position
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the batch rows in `index` (in that order), e.g. the surviving beams."""
+        for layer in self.layers:
+            for attn in layer.values():
+                for name, tensor in attn.items():
+                    attn[name] = tensor.index_select(0, index)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id)  # shared by both sides
+        positions = SinusoidalPositions if cfg.positional == "sinusoidal" else LearnedPositions
+        self.positions = positions(cfg.d_model, cfg.max_positions)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm leaves the residual stream un-normalized, so each stack ends with a LayerNorm.
+        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        return self.embed_dropout(self.positions(self.embed(tokens), offset))
+
+    def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
+        """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights."""
+        x, weights = self.embed_tokens(src), []
+        for layer in self.encoder_layers:
+            x, w = layer(x, src_mask, need_weights)
+            weights.append(w)
+        return self.encoder_norm(x), weights
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_mask: Tensor,
+        state: DecoderState | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list]:
+        """tgt: (batch, tgt_len) -> logits (batch, tgt_len, vocab), per-layer attention weights.
+
+        With a `state`, tgt holds only the new tokens; earlier ones are read from the state.
+        """
+        offset = state.length if state is not None else 0
+        if state is not None and not state.layers:
+            state.layers = [{} for _ in self.decoder_layers]
+        tgt_mask = causal_mask(tgt.size(1), offset, tgt.device) if tgt.size(1) > 1 else None
+        x, weights = self.embed_tokens(tgt, offset), []
+        for i, layer in enumerate(self.decoder_layers):
+            layer_state = state.layers[i] if state is not None else None
+            x, w = layer(x, memory, src_mask, tgt_mask, layer_state, need_weights)
+            weights.append(w)
+        if state is not None:
+            state.length += tgt.size(1)
+        return self.project(self.decoder_norm(x)), weights
+
+    def project(self, x: Tensor) -> Tensor:
+        """(batch, len, d_model) -> logits (batch, len, vocab)"""
+        return F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Teacher forcing: src (batch, src_len), tgt (batch, tgt_len) starting with BOS -> logits."""
+        src_mask = padding_mask(src, self.cfg.pad_id)
+        memory, _ = self.encode(src, src_mask)
+        return self.decode(tgt, memory, src_mask)[0]
+
+    def attention_weights(self, src: Tensor, tgt: Tensor) -> dict[str, list[Tensor]]:
+        """Every head's attention, each (batch, heads, query_len, key_len), one tensor per layer."""
+        src_mask = padding_mask(src, self.cfg.pad_id)
+        memory, enc = self.encode(src, src_mask, need_weights=True)
+        _, dec = self.decode(tgt, memory, src_mask, need_weights=True)
+        return {
+            "encoder_self": [w["self"] for w in enc],
+            "decoder_self": [w["self"] for w in dec],
+            "cross": [w["cross"] for w in dec],
+        }
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,64 @@
+"""One joint SentencePiece model for source and target, trained on the training split."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece as spm
+
+from .data import DataError
+
+# Fixed ids so a model and its tokenizer always agree on the special tokens.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class Tokenizer:
+    """Text <-> token ids. The serialized model travels inside every checkpoint."""
+
+    def __init__(self, model_bytes: bytes):
+        self.model_bytes = model_bytes
+        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+
+    @classmethod
+    def train(cls, sentences: Iterable[str], vocab_size: int, model_type: str) -> Tokenizer:
+        stream = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences),
+                model_writer=stream,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=1.0,
+                pad_id=PAD_ID,
+                unk_id=UNK_ID,
+                bos_id=BOS_ID,
+                eos_id=EOS_ID,
+                num_threads=2,
+                minloglevel=2,
+            )
+        except RuntimeError as e:  # how SentencePiece reports bad settings, e.g. too large a vocabulary
+            settings = f"data.vocab_size={vocab_size}, data.spm_model_type={model_type}"
+            raise DataError(f"cannot train the tokenizer ({settings}): {str(e).splitlines()[0]}") from None
+        return cls(stream.getvalue())
+
+    @classmethod
+    def load(cls, path: Path) -> Tokenizer:
+        return cls(Path(path).read_bytes())
+
+    def save(self, path: Path) -> None:
+        Path(path).write_bytes(self.model_bytes)
+
+    def __len__(self) -> int:
+        return self.sp.get_piece_size()
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts, out_type=int)
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return self.sp.decode(ids)
+
+    def pieces(self, text: str) -> list[str]:
+        return self.sp.encode(text, out_type=str)
