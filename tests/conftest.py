@@ -18,10 +18,7 @@ def write_corpus(directory: Path, split: str, pairs: dict[str, list[str]], gz: b
             (directory / f"{split}.{lang}").write_bytes(data)
 
 
-@pytest.fixture
-def tiny_corpus(tmp_path) -> Path:
-    """A small real slice of Multi30k (de, en) in the shipped layout."""
-    out = tmp_path / "corpus"
+def make_tiny_corpus(out: Path) -> Path:
     for split, n in (("train", 400), ("val", 40), ("test_2016_flickr", 40)):
         pairs = {}
         for lang in ("de", "en"):
@@ -29,3 +26,15 @@ def tiny_corpus(tmp_path) -> Path:
                 pairs[lang] = [next(f).strip() for _ in range(n)]
         write_corpus(out, split, pairs)
     return out
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> Path:
+    """A small real slice of Multi30k (de, en) in the shipped layout; tests may change it."""
+    return make_tiny_corpus(tmp_path / "corpus")
+
+
+@pytest.fixture(scope="session")
+def shared_corpus(tmp_path_factory) -> Path:
+    """The same slice, shared by the tests that only read it."""
+    return make_tiny_corpus(tmp_path_factory.mktemp("shared") / "corpus")

@@ -20,7 +20,17 @@ def tokenizer():
 
 def test_round_trip_gives_identical_outputs(tmp_path, tokenizer):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=2, d_model=16, n_heads=2, d_ff=32, n_kv_heads=1)).eval()
+    model = Transformer(
+        ModelConfig(
+            vocab_size=len(tokenizer),
+            n_encoder_layers=1,
+            n_decoder_layers=2,
+            d_model=16,
+            n_heads=2,
+            d_ff=32,
+            n_kv_heads=1,
+        )
+    ).eval()
     path = tmp_path / "model.pt"
     checkpoint.save(path, model, tokenizer, train_config={"seed": 1}, step=7)
     loaded, loaded_tokenizer, payload = checkpoint.load_model(path)
@@ -44,7 +54,9 @@ def test_arbitrary_pickled_objects_are_refused(tmp_path):
 
 
 def test_truncated_foreign_and_missing_files_are_refused(tmp_path, tokenizer):
-    model = Transformer(ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=16, n_heads=2, d_ff=32))
+    model = Transformer(
+        ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=16, n_heads=2, d_ff=32)
+    )
     good = tmp_path / "good.pt"
     checkpoint.save(good, model, tokenizer, train_config={}, step=1)
     truncated = tmp_path / "truncated.pt"

@@ -1,5 +1,6 @@
 """The entry points as a user runs them: an end-to-end smoke run, then bad input of every kind."""
 
+import gzip
 import subprocess
 import sys
 from pathlib import Path
@@ -26,25 +27,107 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
         assert needle in errors[0]
 
 
-def test_smoke_run_trains_evaluates_and_translates(tmp_path, tiny_corpus):
-    run_dir = tmp_path / "run"
-    result = train(run_dir, f"data.dir={tiny_corpus}", "data.vocab_size=300")
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, shared_corpus) -> Path:
+    """One `train.py experiment=smoke` run that the tests below inspect and reuse."""
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300")
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "test_2016_flickr de-en (greedy): BLEU" in result.stdout
-    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in result.stdout  # the sacreBLEU signature
-    for name in ("checkpoint_best.pt", "checkpoint_last.pt", "spm.model", "train.log", "test_2016_flickr.en.hyp"):
-        assert (run_dir / name).is_file(), name
-    hyps = (run_dir / "test_2016_flickr.en.hyp").read_text().splitlines()
-    assert len(hyps) == 40
+    (run_dir / "stdout.txt").write_text(result.stdout)
+    return run_dir
 
-    # translate.py with the same decoding settings reproduces the test hypotheses from the checkpoint alone.
-    source = (tiny_corpus / "test_2016_flickr.de.gz")
-    import gzip
 
-    sentences = gzip.decompress(source.read_bytes()).decode()
-    translated = run("translate.py", f"checkpoint={run_dir / 'checkpoint_best.pt'}", "decode.max_len_b=5", stdin=sentences)
+def test_smoke_run_trains_and_reports_test_bleu(smoke_run):
+    stdout = (smoke_run / "stdout.txt").read_text()
+    for label in ("greedy", "beam5"):
+        assert f"test_2016_flickr de-en {label}: BLEU" in stdout
+    assert "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:" in stdout  # the sacreBLEU signature
+    for name in (
+        "checkpoint_best.pt",
+        "checkpoint_last.pt",
+        "checkpoint_20.pt",
+        "spm.model",
+        "train.log",
+        "metrics.jsonl",
+    ):
+        assert (smoke_run / name).is_file(), name
+    assert len((smoke_run / "test_2016_flickr.beam5.en").read_text().splitlines()) == 40
+
+
+def test_translate_reproduces_the_runs_hypotheses_from_the_checkpoint_alone(smoke_run, shared_corpus):
+    sentences = gzip.decompress((shared_corpus / "test_2016_flickr.de.gz").read_bytes()).decode()
+    translated = run(
+        "translate.py", f"checkpoint={smoke_run / 'checkpoint_best.pt'}", "decode.max_len_b=5", stdin=sentences
+    )
     assert translated.returncode == 0, translated.stderr
-    assert translated.stdout.splitlines() == hyps
+    assert translated.stdout.splitlines() == (smoke_run / "test_2016_flickr.beam5.en").read_text().splitlines()
+
+
+def test_translate_keeps_empty_lines_and_writes_n_best_lists(smoke_run):
+    best = smoke_run / "checkpoint_best.pt"
+    translated = run("translate.py", f"checkpoint={best}", "decode.n_best=2", stdin="Ein Hund.\n\nZwei Katzen.\n")
+    rows = [line.split("\t") for line in translated.stdout.splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "1", "1", "2", "2"] and rows[2][2] == rows[3][2] == ""
+    one_best = run("translate.py", f"checkpoint={best}", "decode.strategy=greedy", stdin="Ein Hund.\n\n\nZwei.\n")
+    assert len(one_best.stdout.splitlines()) == 4 and one_best.stdout.splitlines()[1:3] == ["", ""]
+
+
+def test_evaluate_and_average_checkpoints(smoke_run, shared_corpus, tmp_path):
+    best = smoke_run / "checkpoint_best.pt"
+    evaluated = run(
+        "evaluate.py",
+        f"checkpoint={best}",
+        f"data_dir={shared_corpus}",
+        "decode.max_len_b=5",
+        f"output={tmp_path / 'hyp'}",
+    )
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "BLEU" in evaluated.stdout and "tok:13a" in evaluated.stdout and "chrF" in evaluated.stdout
+    assert (tmp_path / "hyp").read_text() == (smoke_run / "test_2016_flickr.beam5.en").read_text()
+    averaged = run("scripts/average_checkpoints.py", f"run={smoke_run}", "last=2", f"output={tmp_path / 'avg.pt'}")
+    assert averaged.returncode == 0, averaged.stderr
+    assert run("translate.py", f"checkpoint={tmp_path / 'avg.pt'}", stdin="Ein Hund.\n").returncode == 0
+
+
+def test_tensorboard_events_hold_the_runs_scalars_texts_images_and_hparams(smoke_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(smoke_run / "tensorboard"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    tags = events.Tags()
+    for name in ("train/loss", "train/ppl", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/padding_ratio",
+                 "valid/loss", "valid/ppl", "valid/bleu", "valid/chrf"):  # fmt: skip
+        assert name in tags["scalars"], name
+    assert "valid/translations/text_summary" in tags["tensors"]
+    for kind in ("encoder_self", "decoder_self", "cross"):
+        assert f"attention/{kind}/layer0" in tags["images"]
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+
+
+def test_plot_attention_and_analyze_heads_write_pngs(smoke_run, shared_corpus, tmp_path):
+    best = smoke_run / "checkpoint_best.pt"
+    plotted = run(
+        "scripts/plot_attention.py", f"checkpoint={best}", "sentence=Ein Hund rennt.", f"output_dir={tmp_path}"
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    pngs = sorted(tmp_path.glob("*.png"))
+    assert [p.name for p in pngs] == ["cross_layer0.png", "decoder_self_layer0.png", "encoder_self_layer0.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    heads = run(
+        "scripts/analyze_heads.py",
+        f"checkpoint={best}",
+        f"data_dir={shared_corpus}",
+        "sentences=20",
+        "prune=[2]",
+        f"output={tmp_path / 'heads.png'}",
+    )
+    assert heads.returncode == 0, heads.stderr
+    assert "pruning the 2 least important of 12 heads" in heads.stdout
+    assert (
+        len([line for line in heads.stdout.splitlines() if line.startswith(("encoder_self", "decoder_self", "cross"))])
+        == 12
+    )
+    assert (tmp_path / "heads.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_unknown_config_key_fails_with_hydras_error(tmp_path):
@@ -55,7 +138,11 @@ def test_unknown_config_key_fails_with_hydras_error(tmp_path):
 
 @pytest.mark.parametrize(
     "override, needles",
-    [("trainer.lr=fast", ["trainer.lr"]), ("model.n_kv_heads=3", ["model.n_kv_heads"]), ("data.src_lang=xx", ["unknown language code 'xx'", "train.xx"])],
+    [
+        ("trainer.lr=fast", ["trainer.lr"]),
+        ("model.n_kv_heads=3", ["model.n_kv_heads"]),
+        ("data.src_lang=xx", ["unknown language code 'xx'", "train.xx"]),
+    ],
 )
 def test_bad_values_give_one_error_line(tmp_path, tiny_corpus, override, needles):
     assert_one_line_error(train(tmp_path / "run", f"data.dir={tiny_corpus}", override), *needles)
@@ -68,7 +155,9 @@ def test_missing_data_directory(tmp_path):
 
 def test_line_count_mismatch(tmp_path, tiny_corpus):
     write_corpus(tiny_corpus, "train", {"de": ["eins", "zwei", "drei"], "en": ["one", "two"]})
-    assert_one_line_error(train(tmp_path / "run", f"data.dir={tiny_corpus}"), "train.de.gz has 3 lines", "train.en.gz has 2")
+    assert_one_line_error(
+        train(tmp_path / "run", f"data.dir={tiny_corpus}"), "train.de.gz has 3 lines", "train.en.gz has 2"
+    )
 
 
 def test_empty_training_set(tmp_path, tiny_corpus):

@@ -36,7 +36,14 @@ def test_default_is_the_multi30k_de_en_recipe():
 
 def test_base_preset_is_the_paper_base_model():
     m = to_config(compose_config(["model=base"])).model
-    assert (m.n_encoder_layers, m.n_decoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (6, 6, 512, 8, 2048, 0.1)
+    assert (m.n_encoder_layers, m.n_decoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (
+        6,
+        6,
+        512,
+        8,
+        2048,
+        0.1,
+    )
 
 
 def test_overrides_from_the_readme_apply():
@@ -51,7 +58,11 @@ def test_unknown_key_is_refused_by_hydra():
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer.lr=fast", "trainer.lr"), ("model.n_heads=3", "model.d_model"), ("trainer.precision=fp8", "trainer.precision")],
+    [
+        ("trainer.lr=fast", "trainer.lr"),
+        ("model.n_heads=3", "model.d_model"),
+        ("trainer.precision=fp8", "trainer.precision"),
+    ],
 )
 def test_wrong_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key):

@@ -104,7 +104,7 @@ def test_attention_weights_are_distributions_that_respect_masks():
     with torch.no_grad():
         weights = model.attention_weights(src, tgt)
     assert len(weights["encoder_self"]) == len(weights["decoder_self"]) == len(weights["cross"]) == 2
-    for kind, layers in weights.items():
+    for layers in weights.values():
         for w in layers:
             torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
     for w in weights["encoder_self"] + weights["cross"]:
@@ -174,8 +174,29 @@ def test_base_preset_is_the_paper_model():
 
 @pytest.mark.parametrize(
     "overrides, key",
-    [({"d_model": 30, "n_heads": 4}, "model.d_model"), ({"n_kv_heads": 3}, "model.n_kv_heads"), ({"positional": "rope"}, "model.positional")],
+    [
+        ({"d_model": 30, "n_heads": 4}, "model.d_model"),
+        ({"n_kv_heads": 3}, "model.n_kv_heads"),
+        ({"positional": "rope"}, "model.positional"),
+    ],
 )
 def test_bad_model_config_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key):
         ModelConfig(**overrides)
+
+
+def test_head_mask_of_ones_changes_nothing_and_keeping_one_head_changes_outputs():
+    model, src, tgt = make_model(), random_tokens(2, 6), random_tokens(2, 5)
+    with torch.no_grad():
+        plain = model(src, tgt)
+        model.set_head_mask({kind: torch.ones(2, 4) for kind in ("encoder_self", "decoder_self", "cross")})
+        ones = model(src, tgt)
+        only_head_0 = torch.zeros(2, 4)
+        only_head_0[:, 0] = 1.0
+        model.set_head_mask({"encoder_self": only_head_0})
+        pruned = model(src, tgt)
+        model.set_head_mask(None)
+        restored = model(src, tgt)
+    torch.testing.assert_close(ones, plain, rtol=0, atol=0)
+    assert not torch.allclose(pruned, plain)
+    torch.testing.assert_close(restored, plain, rtol=0, atol=0)

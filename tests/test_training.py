@@ -42,7 +42,17 @@ def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus):
     ds = load_split(DataConfig(dir=str(tiny_corpus)), "train").select(range(12))
     tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=120, model_type="unigram")
     corpus = tokenize(ds, tokenizer)
-    model = Transformer(ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=64, n_heads=4, d_ff=128, dropout=0.0))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=len(tokenizer),
+            n_encoder_layers=1,
+            n_decoder_layers=1,
+            d_model=64,
+            n_heads=4,
+            d_ff=128,
+            dropout=0.0,
+        )
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     batch = collate(corpus, list(range(len(corpus))), tokenizer)
     for _ in range(300):

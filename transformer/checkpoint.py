@@ -35,6 +35,11 @@ def save(path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dic
         "step": step,
         **extra,
     }
+    write(path, payload)
+
+
+def write(path: Path, payload: dict) -> None:
+    """torch.save to a temporary file in the same directory, fsync, then rename over `path`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
@@ -60,6 +65,26 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
     if payload["format_version"] != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {payload['format_version']}, expected {FORMAT_VERSION}")
     return payload
+
+
+def average(paths: list[Path]) -> dict:
+    """A checkpoint whose weights are the mean of the given ones' (same model config required).
+
+    Everything else (tokenizer, configs, step) comes from the last one; optimizer state is dropped.
+    """
+    payloads = [load(p) for p in paths]
+    last = payloads[-1]
+    for path, payload in zip(paths, payloads):
+        if payload["model_config"] != last["model_config"]:
+            raise CheckpointError(f"{path} has another model config than {paths[-1]}; cannot average")
+    mean = {}
+    for name, tensor in last["model"].items():
+        if tensor.is_floating_point():
+            mean[name] = (sum(p["model"][name].double() for p in payloads) / len(payloads)).to(tensor.dtype)
+        else:
+            mean[name] = tensor
+    keep = {k: v for k, v in last.items() if k not in ("model", "optimizer", "train_state")}
+    return {**keep, "model": mean, "averaged_from": [str(p) for p in paths]}
 
 
 def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:

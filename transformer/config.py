@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .checkpoint import CheckpointError
 from .data import DataConfig, DataError
 from .decoding import DecodeConfig
+from .errors import ConfigError, TrainingStopped
 from .model import ModelConfig
 from .training import TrainerConfig
 
@@ -28,10 +29,6 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-
-
-class ConfigError(Exception):
-    """A config key that is unknown or has a value of the wrong type or range."""
 
 
 def to_config(cfg: DictConfig, schema: type = Config):
@@ -62,3 +59,6 @@ def exit_on_user_error():
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -78,7 +78,9 @@ def corpus_file(directory: Path, split: str, lang: str) -> Path:
         raise DataError(f"data directory {directory} does not exist (data.dir)")
     langs = sorted({p.name.split(".")[1] for p in directory.glob(f"{split}.*") if p.name.count(".") >= 1})
     if langs:
-        raise DataError(f"unknown language code {lang!r}: no {directory}/{split}.{lang}[.gz]; available: {', '.join(langs)}")
+        raise DataError(
+            f"unknown language code {lang!r}: no {directory}/{split}.{lang}[.gz]; available: {', '.join(langs)}"
+        )
     raise DataError(f"missing data file {directory}/{split}.{lang}[.gz] (split {split!r})")
 
 
@@ -190,7 +192,9 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.src), move(self.tgt_in), move(self.tgt_out), self.indices, self.n_src_tokens, self.n_tgt_tokens)
+        return Batch(
+            move(self.src), move(self.tgt_in), move(self.tgt_out), self.indices, self.n_src_tokens, self.n_tgt_tokens
+        )
 
 
 def pad(sequences: list[list[int]], pad_id: int) -> Tensor:

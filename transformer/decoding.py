@@ -1,75 +1,254 @@
-"""Decoding strategies. Each one encodes the source once and then extends the target one token
-per step through `Transformer.decode` with a `DecoderState` (the incremental-state interface)."""
+"""Decoding strategies: greedy, beam search and sampling.
+
+All of them talk to the model through one incremental-state interface:
+
+    memory, _ = model.encode(src, src_mask)              # once per sentence
+    state = model.new_state()                            # what the decoder keeps between steps
+    logits, _ = model.decode(new_tokens, memory, src_mask, state)
+    state.reorder(rows)                                  # follow the surviving hypotheses
+
+`Transformer` implements it with a key/value cache, `Uncached` by recomputing the whole prefix
+(the reference the cache is tested and benchmarked against), `Ensemble` by averaging several
+models' probabilities.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .data import TokenizedCorpus, pad, token_batches
-from .model import DecoderState, Transformer, padding_mask
+from .model import padding_mask
+
+STRATEGIES = ("greedy", "beam", "sample")
 
 
 @dataclass
 class DecodeConfig:
+    strategy: str = "beam"  # "greedy", "beam" or "sample"
+    beam_size: int = 5
+    n_best: int = 1  # hypotheses returned per sentence (beam search)
+    length_penalty: float = 0.6  # GNMT's alpha: scores are divided by ((5 + length) / 6) ** alpha
     max_len_a: float = 1.2  # a translation of a source of n tokens has at most a * n + b tokens
     max_len_b: int = 10
     max_tokens: int = 8192  # source tokens per decoding batch
+    temperature: float = 1.0  # sampling
+    top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
+    top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
+    seed: int = 1  # sampling
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"decode.strategy={self.strategy!r} is not one of {STRATEGIES}")
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("decode.temperature must be > 0, decode.top_p in (0, 1], decode.top_k >= 0")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS and EOS
+    score: float  # log-probability divided by the length penalty (the ranking score)
+    log_prob: float
 
 
 def max_lengths(src_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
     """(batch,) maximum number of generated tokens per sentence, EOS included."""
     src_lens = src_mask.flatten(1).sum(-1)
-    return (src_lens * cfg.max_len_a + cfg.max_len_b).long().clamp(max=limit)
+    return (src_lens * cfg.max_len_a + cfg.max_len_b).long().clamp(min=1, max=limit)
+
+
+def length_penalty(length: Tensor | int, alpha: float):
+    """GNMT (Wu et al., 2016): lp(Y) = ((5 + |Y|) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
+
+
+def expand(memory, times: int):
+    """Repeat each sentence's encoder output `times` times (a tensor, or a list for ensembles)."""
+    if isinstance(memory, Tensor):
+        return memory.repeat_interleave(times, dim=0)
+    return [expand(m, times) for m in memory]
+
+
+# --- Greedy and sampling: one token per sentence per step ---------------------------------------
 
 
 @torch.no_grad()
-def greedy(model: Transformer, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[int]]:
-    """Pick the most probable next token at every step. src: (batch, src_len) -> token ids, no BOS/EOS."""
+def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, choose: Callable) -> list[Hypothesis]:
+    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length."""
     src_mask = padding_mask(src, model.cfg.pad_id)
     memory, _ = model.encode(src, src_mask)
     max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)
     tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
+    log_prob = torch.zeros(src.size(0), device=src.device)
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
-    state = DecoderState()
+    state = model.new_state()
     for step in range(int(max_len.max())):
-        logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)  # (batch, 1, vocab)
-        next_token = logits[:, -1].argmax(-1)
-        next_token = torch.where(step + 1 >= max_len, eos_id, next_token)  # out of room: end here
+        logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (batch, vocab)
+        next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
         next_token = torch.where(done, model.cfg.pad_id, next_token)
+        log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == eos_id
         if done.all():
             break
-    return [strip_special(row, eos_id) for row in tokens[:, 1:].tolist()]
+    hyps = [strip_special(row, eos_id) for row in tokens[:, 1:].tolist()]
+    return [Hypothesis(h, lp, lp) for h, lp in zip(hyps, log_prob.tolist())]
+
+
+def greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[int]]:
+    """The most probable next token at every step. src: (batch, src_len) -> token ids, no BOS/EOS."""
+    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, lambda lprobs: lprobs.argmax(-1))]
+
+
+def sampler(cfg: DecodeConfig, generator: torch.Generator) -> Callable[[Tensor], Tensor]:
+    """Draw the next token from the temperature-scaled distribution, cut to top-k and top-p."""
+
+    def choose(lprobs: Tensor) -> Tensor:
+        logits = lprobs / cfg.temperature
+        if cfg.top_k:
+            kth = logits.topk(min(cfg.top_k, logits.size(-1)), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if cfg.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+            drop = (mass_before >= cfg.top_p).scatter(-1, order, mass_before >= cfg.top_p)
+            logits = logits.masked_fill(drop, -math.inf)
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+
+    return choose
+
+
+# --- Beam search --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[Hypothesis]]:
+    """Batched beam search over sentences x beams with GNMT length normalization.
+
+    Each step scores every (beam, token) extension, keeps hypotheses that end in EOS among the
+    best k as finished, and continues with the best k that do not. A sentence is done once it
+    has k finished hypotheses and no live beam can still beat the worst of them.
+    Returns, per sentence, the n_best finished hypotheses sorted by score.
+    """
+    k, batch, pad_id = cfg.beam_size, src.size(0), model.cfg.pad_id
+    src_mask = padding_mask(src, pad_id)
+    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)  # (batch,)
+    memory, _ = model.encode(src, src_mask)
+    memory, src_mask = expand(memory, k), src_mask.repeat_interleave(k, dim=0)
+    state = model.new_state()
+    tokens = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=src.device)
+    scores = torch.full((batch, k), -math.inf, device=src.device)  # log-probability of each live beam
+    scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool)
+    for step in range(int(max_len.max())):
+        logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
+        lprobs = step_log_probs(logits[:, -1], step, max_len.repeat_interleave(k).to(src.device), eos_id, pad_id)
+        vocab = lprobs.size(-1)
+        top, index = (scores.view(-1, 1) + lprobs).view(batch, -1).topk(2 * k, dim=1)  # (batch, 2k)
+        beam, token = index // vocab, index % vocab
+        ends = (token == eos_id) & top.isfinite()
+        add_finished(finished, done, top, beam, ends, tokens, k, cfg)
+        # The best k candidates that do not end in EOS continue (a stable sort keeps their order).
+        keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
+        scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
+        rows = (torch.arange(batch, device=src.device)[:, None] * k + beam).view(-1)
+        state.reorder(rows)
+        tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
+        done |= search_done(finished, scores.cpu(), max_len, step, k, cfg.length_penalty)
+        if done.all():
+            break
+    return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
+
+
+def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int) -> Tensor:
+    """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len."""
+    lprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
+    lprobs[:, pad_id] = -math.inf
+    out_of_room = step + 1 >= max_len
+    if out_of_room.any():
+        forced = torch.full_like(lprobs[0], -math.inf)
+        forced[eos_id] = 0.0
+        lprobs[out_of_room] = torch.where(forced.isfinite(), lprobs[out_of_room], forced)
+    return lprobs
+
+
+def add_finished(finished, done, top, beam, ends, tokens, k: int, cfg: DecodeConfig) -> None:
+    """Record candidates ranked among the best k that end in EOS (sentences not yet done)."""
+    length = tokens.size(1)  # generated tokens so far + BOS = this hypothesis' length with its EOS
+    penalty = length_penalty(length, cfg.length_penalty)
+    for sent, rank in ends[:, :k].nonzero().tolist():
+        if done[sent]:
+            continue
+        log_prob = float(top[sent, rank])
+        row = sent * k + int(beam[sent, rank])
+        finished[sent].append(Hypothesis(tokens[row, 1:].tolist(), log_prob / penalty, log_prob))
+
+
+def search_done(finished, scores: Tensor, max_len: Tensor, step: int, k: int, alpha: float) -> Tensor:
+    """(batch,) True where no live beam can beat the k-th best finished hypothesis.
+
+    Log-probabilities only fall as a hypothesis grows, so a live beam's best reachable score is
+    its log-probability divided by the largest length penalty it can still get.
+    """
+    done = torch.zeros(len(finished), dtype=torch.bool)
+    for sent, hyps in enumerate(finished):
+        if step + 1 >= int(max_len[sent]):
+            done[sent] = True
+        elif len(hyps) >= k:
+            kth_best = sorted(h.score for h in hyps)[-k]
+            done[sent] = float(scores[sent].max()) / length_penalty(int(max_len[sent]), alpha) <= kth_best
+    return done
 
 
 def strip_special(ids: list[int], eos_id: int) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
+# --- Corpus-level translation -------------------------------------------------------------------
+
+
+def decode_batch(model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=None) -> list[list[Hypothesis]]:
+    """One padded batch with the configured strategy: n-best lists (one hypothesis unless beam)."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    if cfg.strategy == "beam":
+        return beam_search(model, src, bos, eos, cfg)
+    choose = (lambda lp: lp.argmax(-1)) if cfg.strategy == "greedy" else sampler(cfg, generator)
+    return [[h] for h in generate(model, src, bos, eos, cfg, choose)]
+
+
 def translate_ids(
-    model: Transformer, sources: list[list[int]], tokenizer, cfg: DecodeConfig, device: torch.device
-) -> list[list[int]]:
-    """Translate token-id sentences in length-sorted batches; results come back in input order."""
-    model.eval()
+    model, sources: list[list[int]], tokenizer, cfg: DecodeConfig, device, progress=None
+) -> list[list[Hypothesis]]:
+    """Translate token-id sentences in length-sorted batches; n-best lists come back in input order."""
     lengths = np.array([len(s) + 1 for s in sources], dtype=np.int64)
-    out: list[list[int]] = [[] for _ in sources]
-    for indices in token_batches(lengths, cfg.max_tokens):
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    out: list[list[Hypothesis]] = [[] for _ in sources]
+    per_sentence = cfg.beam_size if cfg.strategy == "beam" else 1
+    for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
-        for i, hyp in zip(indices, greedy(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg)):
-            out[i] = hyp
+        for i, hyps in zip(indices, decode_batch(model, src, tokenizer, cfg, generator)):
+            out[i] = hyps
+        if progress is not None:
+            progress.update(len(indices))
     return out
 
 
-def translate(model: Transformer, texts: list[str], tokenizer, cfg: DecodeConfig, device: torch.device) -> list[str]:
-    limit = model.cfg.max_positions - 1
-    ids = [s[:limit] for s in tokenizer.encode(texts)]
-    return tokenizer.decode(translate_ids(model, ids, tokenizer, cfg, device))
+def translate(model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None) -> list[str]:
+    """Best translation of each text, in input order."""
+    n_best = translate_ids(model, tokenizer.encode(texts), tokenizer, cfg, device, progress)
+    return tokenizer.decode([hyps[0].tokens for hyps in n_best])
 
 
 def translate_corpus(model, corpus: TokenizedCorpus, tokenizer, cfg: DecodeConfig, device) -> list[str]:
-    return tokenizer.decode(translate_ids(model, corpus.src, tokenizer, cfg, device))
+    n_best = translate_ids(model, corpus.src, tokenizer, cfg, device)
+    return tokenizer.decode([hyps[0].tokens for hyps in n_best])

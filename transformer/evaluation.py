@@ -15,10 +15,7 @@ class Scores:
     chrf_signature: str
 
     def summary(self, name: str) -> str:
-        return (
-            f"{name}: BLEU {self.bleu:.2f} ({self.bleu_signature}) | "
-            f"chrF {self.chrf:.2f} ({self.chrf_signature})"
-        )
+        return f"{name}: BLEU {self.bleu:.2f} ({self.bleu_signature}) | chrF {self.chrf:.2f} ({self.chrf_signature})"
 
 
 def score(hypotheses: list[str], references: list[str], lowercase: bool = False) -> Scores:

@@ -12,12 +12,14 @@ import numpy as np
 import torch
 
 from . import checkpoint
+from .checkpoint import CheckpointError
 from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize
-from .decoding import translate_corpus
+from .decoding import DecodeConfig, translate_corpus
 from .evaluation import score
 from .model import Transformer, count_parameters
+from .resume import check_compatible, make_deterministic, resume_path
 from .tokenizer import Tokenizer
-from .training import Trainer, autocast_dtype, pick_device
+from .training import Trainer, autocast_dtype, pick_device, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,9 @@ def load_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
         list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
     )
     tokenizer.save(path)
-    log.info("trained a %d-piece %s tokenizer in %.1fs", len(tokenizer), cfg.data.spm_model_type, time.monotonic() - started)
+    log.info(
+        "trained a %d-piece %s tokenizer in %.1fs", len(tokenizer), cfg.data.spm_model_type, time.monotonic() - started
+    )
     return tokenizer
 
 
@@ -50,29 +54,67 @@ def build_model(cfg, tokenizer: Tokenizer, device: torch.device) -> Transformer:
     return model
 
 
-def prepare_data(cfg, run_dir: Path) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+def prepare_data(cfg, run_dir: Path, tokenizer: Tokenizer | None) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+    """Training and validation splits as token ids; the tokenizer is trained unless given."""
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
     valid_ds = load_split(cfg.data, cfg.data.valid_split)
-    tokenizer = load_tokenizer(cfg, run_dir, train_ds)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, run_dir, train_ds)
+    elif not (run_dir / "spm.model").is_file():
+        tokenizer.save(run_dir / "spm.model")
     train = filter_long(tokenize(train_ds, tokenizer), cfg.data.max_len)
-    log.info("%d training pairs, %d validation pairs (%s -> %s)", len(train), len(valid_ds), cfg.data.src_lang, cfg.data.tgt_lang)
+    log.info(
+        "%d training pairs, %d validation pairs (%s -> %s)",
+        len(train),
+        len(valid_ds),
+        cfg.data.src_lang,
+        cfg.data.tgt_lang,
+    )
     return tokenizer, train, tokenize(valid_ds, tokenizer)
 
 
+def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
+    """The checkpoint this run continues from (trainer.resume, or the run directory's own), checked
+    to hold the same configuration; None for a fresh start."""
+    path = resume_path(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
+    if path is None:
+        return None
+    payload = checkpoint.load(path)
+    if "train_state" not in payload:
+        raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot be resumed")
+    check_compatible(path, payload["train_config"], to_plain(cfg), explicit=bool(cfg.trainer.resume))
+    return payload
+
+
+def decoding_label(cfg: DecodeConfig) -> str:
+    return f"beam{cfg.beam_size}" if cfg.strategy == "beam" else cfg.strategy
+
+
 def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device) -> dict[str, dict]:
-    """Decode each test split, write the hypotheses next to the checkpoints, report BLEU and chrF."""
+    """Decode each test split greedily and with the configured strategy; write the hypotheses
+    next to the checkpoints as {split}.{strategy}.{tgt_lang}; report BLEU and chrF."""
+    model.eval()
+    strategies = [dataclasses.replace(cfg.decode, strategy="greedy")]
+    if cfg.decode.strategy != "greedy":
+        strategies.append(cfg.decode)
     results = {}
     for split in cfg.data.test_splits:
         corpus = tokenize(load_split(cfg.data, split), tokenizer)
-        hyps = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
-        (run_dir / f"{split}.{cfg.data.tgt_lang}.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        scores = score(hyps, corpus.tgt_text)
-        report(scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} (greedy)"))
-        results[split] = dataclasses.asdict(scores)
+        for decode_cfg in strategies:
+            label = decoding_label(decode_cfg)
+            hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
+            write_lines(run_dir / f"{split}.{label}.{cfg.data.tgt_lang}", hyps)
+            scores = score(hyps, corpus.tgt_text)
+            report(scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}"))
+            results[f"{split}/{label}"] = dataclasses.asdict(scores)
         if split == cfg.data.test_splits[0]:
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
                 report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
     return results
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
 def report(message: str) -> None:
@@ -81,17 +123,23 @@ def report(message: str) -> None:
 
 
 def run(cfg, run_dir: Path) -> dict:
-    """Train, then evaluate the best checkpoint on the test splits. Returns the test scores."""
+    """Train (or resume), then evaluate the best checkpoint on the test splits. Returns the test scores."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
+    if cfg.trainer.deterministic:
+        make_deterministic()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     device = pick_device(cfg.trainer.device)
     log.info("run directory %s, device %s, autocast %s", run_dir, device, autocast_dtype(cfg.trainer.precision, device))
-    tokenizer, train, valid = prepare_data(cfg, run_dir)
+    resumed = checkpoint_to_resume(cfg, run_dir)
+    saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else None
+    tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
     model = build_model(cfg, tokenizer, device)
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid)
+    if resumed:
+        trainer.restore(resumed)
     trainer.fit()
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
@@ -103,4 +151,8 @@ def run(cfg, run_dir: Path) -> dict:
         f"{state.train_tokens / step_seconds:.0f} source+target tokens/s; "
         f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
     )
-    return evaluate_tests(cfg, run_dir, model, tokenizer, device)
+    results = evaluate_tests(cfg, run_dir, model, tokenizer, device)
+    metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": state.best_score}
+    trainer.monitor.hparams(to_plain(cfg), metrics)
+    trainer.monitor.close()
+    return results

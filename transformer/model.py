@@ -159,6 +159,7 @@ class MultiHeadAttention(nn.Module):
         self.w_k = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.w_v = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.w_o = nn.Linear(n_heads * self.d_head, d_model, bias=bias)
+        self.head_mask: Tensor | None = None  # (n_heads,) scales each head's output; see Transformer.set_head_mask
         for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
             nn.init.xavier_uniform_(linear.weight)
             if bias:
@@ -196,6 +197,8 @@ class MultiHeadAttention(nn.Module):
             out, weights = attention_with_weights(q, k, v, mask, dropout_p)
         else:
             out, weights = fast_attention(q, k, v, mask, dropout_p), None
+        if self.head_mask is not None:
+            out = out * self.head_mask.to(out.dtype).view(1, -1, 1, 1)
         out = out.transpose(1, 2).flatten(2)  # merge heads: (batch, q_len, d_model)
         return self.w_o(out), weights
 
@@ -336,6 +339,10 @@ class Transformer(nn.Module):
             weights.append(w)
         return self.encoder_norm(x), weights
 
+    def new_state(self) -> DecoderState:
+        """An empty incremental-decoding state (see transformer/decoding.py)."""
+        return DecoderState()
+
     def decode(
         self,
         tgt: Tensor,
@@ -370,6 +377,23 @@ class Transformer(nn.Module):
         src_mask = padding_mask(src, self.cfg.pad_id)
         memory, _ = self.encode(src, src_mask)
         return self.decode(tgt, memory, src_mask)[0]
+
+    def attention_modules(self) -> dict[str, list[MultiHeadAttention]]:
+        return {
+            "encoder_self": [layer.self_attn for layer in self.encoder_layers],
+            "decoder_self": [layer.self_attn for layer in self.decoder_layers],
+            "cross": [layer.cross_attn for layer in self.decoder_layers],
+        }
+
+    def set_head_mask(self, masks: dict[str, Tensor] | None) -> None:
+        """Scale each head's output at inference (1 keeps a head, 0 removes it); weights untouched.
+
+        masks maps "encoder_self", "decoder_self" or "cross" to a (layers, heads) tensor;
+        kinds left out, or masks=None, use every head.
+        """
+        for kind, modules in self.attention_modules().items():
+            for i, attn in enumerate(modules):
+                attn.head_mask = masks[kind][i] if masks is not None and kind in masks else None
 
     def attention_weights(self, src: Tensor, tgt: Tensor) -> dict[str, list[Tensor]]:
         """Every head's attention, each (batch, heads, query_len, key_len), one tensor per layer."""

@@ -6,18 +6,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import checkpoint
 from .data import Batch, TokenizedCorpus, collate, token_batches
-from .decoding import DecodeConfig, translate_corpus
+from .decoding import translate_ids
+from .errors import TrainingStopped
 from .evaluation import score
 from .model import Transformer
+from .monitoring import Monitor
+from .plotting import attention_figures
+from .resume import GracefulStop, rng_states, set_rng_states
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +47,15 @@ class TrainerConfig:
     max_epochs: int = 0  # 0: no limit
     max_minutes: float = 0.0  # wall-clock budget for the training loop; 0: no limit
     patience: int = 0  # stop after this many validations without a better score; 0: never
-    eval_every: int = 1000  # optimizer steps between validations
+    eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint)
+    keep_last: int = 5  # numbered checkpoints kept (weights only, for averaging); 0 keeps none
     eval_bleu: bool = True  # greedy-decode the validation split and select the best checkpoint by BLEU
+    attention_images: bool = True  # with eval_bleu: TensorBoard heatmaps of every head for one validation sentence
     log_every: int = 100
+    resume: Optional[str] = None  # a checkpoint or run directory to continue from
+    overwrite: bool = False  # start afresh in a run directory that already holds a checkpoint
+    max_bad_steps: int = 5  # consecutive steps with non-finite loss or gradients before giving up
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -112,23 +124,32 @@ class TrainState:
     batch_in_epoch: int = 0  # batches of the current epoch already consumed
     best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
     bad_evals: int = 0
+    bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
     train_tokens: int = 0  # non-padding source + target tokens seen
     train_seconds: float = 0.0  # wall time of the loop, validation included
     valid_seconds: float = 0.0  # of which validation
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: Path, model: Transformer, tokenizer, train: TokenizedCorpus, valid: TokenizedCorpus):
+    def __init__(
+        self, cfg, run_dir: Path, model: Transformer, tokenizer, train: TokenizedCorpus, valid: TokenizedCorpus
+    ):
         self.cfg, self.tcfg, self.run_dir = cfg, cfg.trainer, Path(run_dir)
         self.device = next(model.parameters()).device
         self.model, self.tokenizer, self.train_data, self.valid_data = model, tokenizer, train, valid
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         self.optimizer = torch.optim.Adam(
-            model.parameters(), lr=self.tcfg.lr, betas=tuple(self.tcfg.betas), eps=self.tcfg.eps, weight_decay=self.tcfg.weight_decay
+            model.parameters(),
+            lr=self.tcfg.lr,
+            betas=tuple(self.tcfg.betas),
+            eps=self.tcfg.eps,
+            weight_decay=self.tcfg.weight_decay,
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.lengths = train.lengths()
+        self.monitor = Monitor(run_dir)
+        self.grad_norm = torch.zeros(())
 
     # ---- batches
 
@@ -150,8 +171,11 @@ class Trainer:
 
     # ---- one optimizer step
 
-    def train_step(self, batches: list[Batch]) -> Tensor:
-        """Forward and backward over `batches` (gradient accumulation), then one update."""
+    def train_step(self, batches: list[Batch]) -> Tensor | None:
+        """Forward and backward over `batches` (gradient accumulation), then one update.
+
+        Returns the mean loss per target token, or None when the update was skipped because the
+        loss or the gradients were not finite."""
         self.model.train()
         n_tokens = sum(b.n_tgt_tokens for b in batches)
         total = torch.zeros((), device=self.device)
@@ -161,16 +185,37 @@ class Trainer:
             loss, _ = label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
             self.scaler.scale(loss / n_tokens).backward()
             total += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm or math.inf)
+        # fp16's gradient scaler skips overflowing steps itself; only a non-finite loss is bad there.
+        finite = total.isfinite() if self.scaler.is_enabled() else total.isfinite() & self.grad_norm.isfinite()
+        if not bool(finite):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()
+            return None
         self.state.step += 1
         for group in self.optimizer.param_groups:
             group["lr"] = inverse_sqrt_lr(self.state.step, self.tcfg.lr, self.tcfg.warmup_steps)
-        if self.tcfg.clip_norm > 0:
-            self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return total / n_tokens
+
+    def skip_bad_step(self) -> None:
+        """Count a skipped update; give up after trainer.max_bad_steps in a row."""
+        self.state.bad_steps += 1
+        log.warning(
+            "step %d: non-finite loss or gradients, update skipped (%d in a row)",
+            self.state.step + 1,
+            self.state.bad_steps,
+        )
+        if self.state.bad_steps >= self.tcfg.max_bad_steps:
+            raise TrainingStopped(
+                f"stopped: {self.state.bad_steps} consecutive steps with non-finite loss or gradients after step "
+                f"{self.state.step} (trainer.max_bad_steps); the last good checkpoint is {self.run_dir / 'checkpoint_last.pt'}. "
+                "Try a lower trainer.lr, trainer.clip_norm=1.0 or trainer.precision=fp32.",
+                exit_code=3,
+            )
 
     # ---- validation
 
@@ -188,38 +233,72 @@ class Trainer:
         return float(nll_sum) / n_tokens
 
     def validate(self) -> float:
-        """Log validation metrics and return the score that selects the best checkpoint."""
-        loss = self.validation_loss()
+        """Log validation metrics (and attention images) and return the score that selects the best checkpoint."""
+        loss, bleu, chrf = self.validation_loss(), None, None
         message = f"validation step {self.state.step}: loss {loss:.3f} ppl {math.exp(min(loss, 50)):.2f}"
-        score_value = -loss
         if self.tcfg.eval_bleu:
-            hyps = translate_corpus(self.model, self.valid_data, self.tokenizer, self.cfg.decode, self.device)
+            greedy = replace(self.cfg.decode, strategy="greedy")  # fast, and enough to rank checkpoints
+            n_best = translate_ids(self.model, self.valid_data.src, self.tokenizer, greedy, self.device)
+            hyp_ids = [hyps[0].tokens for hyps in n_best]
+            hyps = self.tokenizer.decode(hyp_ids)
             scores = score(hyps, self.valid_data.tgt_text)
-            message += f" BLEU {scores.bleu:.2f} chrF {scores.chrf:.2f}"
-            score_value = scores.bleu
+            bleu, chrf = scores.bleu, scores.chrf
+            message += f" BLEU {bleu:.2f} chrF {chrf:.2f}"
+            valid = self.valid_data
+            self.monitor.samples(self.state.step, list(zip(valid.src_text[:3], valid.tgt_text[:3], hyps[:3])))
+            if self.tcfg.attention_images:
+                self.monitor.attention(
+                    self.state.step, attention_figures(self.model, self.tokenizer, valid.src[0], hyp_ids[0])
+                )
         log.info(message)
-        return score_value
+        self.monitor.valid(self.state.step, loss, bleu, chrf)
+        return bleu if bleu is not None else -loss
 
     # ---- checkpoints
 
-    def save(self, name: str) -> Path:
-        from . import checkpoint  # local import: checkpoint -> model only, keeps imports one-way
-
+    def save(self, name: str, with_optimizer: bool = True) -> Path:
         path = self.run_dir / name
+        extra = {}
+        if with_optimizer:
+            extra = {
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "train_state": vars(self.state).copy(),
+                "rng": rng_states(),
+            }
         checkpoint.save(
-            path,
-            self.model,
-            self.tokenizer,
-            train_config=to_plain(self.cfg),
-            step=self.state.step,
-            optimizer=self.optimizer.state_dict(),
-            train_state=vars(self.state).copy(),
+            path, self.model, self.tokenizer, train_config=to_plain(self.cfg), step=self.state.step, **extra
         )
         return path
+
+    def restore(self, payload: dict) -> None:
+        """Continue exactly where a checkpoint written by `save` left off: weights, optimizer,
+        scaler, step, epoch, position in the epoch's batches and every random generator."""
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scaler.load_state_dict(payload["scaler"])
+        self.state = TrainState(**payload["train_state"])
+        set_rng_states(payload["rng"])
+        log.info(
+            "resumed at step %d (epoch %d, batch %d of the epoch)",
+            self.state.step,
+            self.state.epoch,
+            self.state.batch_in_epoch,
+        )
+
+    def save_numbered(self) -> None:
+        """checkpoint_<step>.pt, keeping the newest trainer.keep_last of them."""
+        if self.tcfg.keep_last <= 0:
+            return
+        self.save(f"checkpoint_{self.state.step}.pt", with_optimizer=False)
+        numbered = sorted(self.run_dir.glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+        for old in numbered[: -self.tcfg.keep_last]:
+            old.unlink()
 
     def after_validation(self, value: float) -> bool:
         """Save checkpoints; return True when early stopping says to stop."""
         self.save("checkpoint_last.pt")
+        self.save_numbered()
         if value > self.state.best_score:
             self.state.best_score, self.state.bad_evals = value, 0
             self.save("checkpoint_best.pt")
@@ -240,30 +319,49 @@ class Trainer:
         return None
 
     def fit(self) -> None:
-        started = time.monotonic()
+        started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
         stream, window = self.batch_stream(), Throughput()
-        reason = None
-        while reason is None:
-            batches = [next(stream) for _ in range(self.tcfg.accumulate)]
-            loss = self.train_step(batches)
-            window.add(batches, loss)
-            self.state.train_tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
-            if self.state.step % self.tcfg.log_every == 0:
-                self.log_progress(window)
-            reason = self.stop_reason(started)
-            if self.state.step % self.tcfg.eval_every == 0 or reason is not None:
-                self.state.train_seconds = time.monotonic() - started
-                valid_started = time.monotonic()
-                value = self.validate()
-                self.state.valid_seconds += time.monotonic() - valid_started
-                if self.after_validation(value) and reason is None:
-                    reason = f"no better validation score in trainer.patience={self.tcfg.patience} validations"
-        self.state.train_seconds = time.monotonic() - started
+        reason = self.stop_reason(started)
+        with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
+            while reason is None and not stop.requested:
+                batches = [next(stream) for _ in range(self.tcfg.accumulate)]
+                loss = self.train_step(batches)
+                if loss is None:
+                    self.skip_bad_step()
+                    continue
+                self.state.bad_steps = 0
+                bar.update(1)
+                window.add(batches, loss)
+                self.state.train_tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+                if self.state.step % self.tcfg.log_every == 0:
+                    self.log_progress(window)
+                reason = self.stop_reason(started)
+                if self.state.step % self.tcfg.eval_every == 0 or reason is not None:
+                    reason = self.validate_and_save(started) or reason
+            self.state.train_seconds = time.monotonic() - started
+            if stop.requested:
+                self.save("checkpoint_last.pt")
+                raise TrainingStopped(
+                    f"interrupted by signal {stop.signum} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}. "
+                    f"Resume with: python train.py <same overrides> hydra.run.dir={self.run_dir}",
+                    exit_code=128 + stop.signum,
+                )
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
 
+    def validate_and_save(self, started: float) -> str | None:
+        """Validate, save checkpoints; returns a stop reason when early stopping says so."""
+        self.state.train_seconds = time.monotonic() - started
+        valid_started = time.monotonic()
+        value = self.validate()
+        self.state.valid_seconds += time.monotonic() - valid_started
+        if self.after_validation(value):
+            return f"no better validation score in trainer.patience={self.tcfg.patience} validations"
+        return None
+
     def log_progress(self, window: Throughput) -> None:
-        loss, tok_per_s = window.flush()
+        loss, tok_per_s, padding = window.flush()
         lr = self.optimizer.param_groups[0]["lr"]
+        self.monitor.train(self.state.step, self.state.epoch, loss, lr, float(self.grad_norm), tok_per_s, padding)
         log.info(
             "step %d epoch %d: loss %.3f lr %.2e %.0f tok/s",
             self.state.step, self.state.epoch, loss, lr, tok_per_s,
@@ -277,18 +375,20 @@ class Throughput:
     """
 
     def __init__(self):
-        self.start, self.tokens, self.loss, self.steps = time.monotonic(), 0, 0.0, 0
+        self.start, self.tokens, self.padded, self.loss, self.steps = time.monotonic(), 0, 0, 0.0, 0
 
     def add(self, batches: list[Batch], loss: Tensor) -> None:
         self.tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+        self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
         self.loss = self.loss + loss.detach()
         self.steps += 1
 
-    def flush(self) -> tuple[float, float]:
-        """(mean loss, tokens per second) of the interval; starts a new interval."""
+    def flush(self) -> tuple[float, float, float]:
+        """(mean loss, tokens per second, fraction of padding) of the interval; starts a new one."""
         loss, tok_per_s = float(self.loss) / max(self.steps, 1), self.tokens / (time.monotonic() - self.start)
+        padding = 1.0 - self.tokens / max(self.padded, 1)
         self.__init__()
-        return loss, tok_per_s
+        return loss, tok_per_s, padding
 
 
 def to_plain(cfg) -> dict:

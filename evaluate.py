@@ -1,0 +1,84 @@
+"""Score a checkpoint with sacreBLEU and chrF (signatures included) and write its hypotheses.
+
+    python evaluate.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt                  # test_2016_flickr
+    python evaluate.py checkpoint=PATH split=test_2017_flickr decode.strategy=greedy
+    python evaluate.py checkpoint=PATH src=newstest.de ref=newstest.en lowercase=true
+
+Arguments (key=value, as for train.py):
+    checkpoint=PATH   ensemble=[PATH,...]   device=auto|cpu|cuda
+    split=NAME        a split of the training run's corpus (data.dir and languages from the checkpoint;
+                      override with data_dir=, src_lang=, tgt_lang=)
+    src=PATH ref=PATH a source file and its reference translations instead of a split
+    lowercase=false   case-insensitive BLEU (sacreBLEU -lc)
+    output=PATH       where the hypotheses go; default: next to the checkpoint
+    decode.*          as for translate.py (default: beam search, beam 5)
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from transformer.cli import load_decoder, parse_args, progress_bar, setup_logging
+from transformer.config import ConfigError, exit_on_user_error
+from transformer.data import DataConfig, DataError, corpus_file, read_lines
+from transformer.decoding import DecodeConfig, translate
+from transformer.evaluation import score
+
+
+@dataclass
+class EvaluateConfig:
+    checkpoint: str = "???"
+    ensemble: list[str] = field(default_factory=list)
+    split: str = "test_2016_flickr"
+    data_dir: Optional[str] = None
+    src_lang: Optional[str] = None
+    tgt_lang: Optional[str] = None
+    src: Optional[str] = None
+    ref: Optional[str] = None
+    lowercase: bool = False
+    output: Optional[str] = None
+    device: str = "auto"
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+def source_and_reference(cfg: EvaluateConfig, train_config: dict) -> tuple[Path, Path]:
+    if (cfg.src is None) != (cfg.ref is None):
+        raise ConfigError("give both src=PATH and ref=PATH, or neither (then split= is used)")
+    if cfg.src is not None:
+        return Path(cfg.src), Path(cfg.ref)
+    data = train_config.get("data", {})
+    directory = Path(cfg.data_dir or data.get("dir", DataConfig.dir))
+    src_lang, tgt_lang = cfg.src_lang or data.get("src_lang"), cfg.tgt_lang or data.get("tgt_lang")
+    return corpus_file(directory, cfg.split, src_lang), corpus_file(directory, cfg.split, tgt_lang)
+
+
+def main(argv: list[str]) -> None:
+    setup_logging()
+    with exit_on_user_error():
+        cfg = parse_args(argv, EvaluateConfig, __doc__)
+        from transformer.training import pick_device
+
+        device = pick_device(cfg.device)
+        model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, device)
+        src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
+        sources, references = read_lines(src_path), read_lines(ref_path)
+        if len(sources) != len(references):
+            raise DataError(
+                f"line counts differ: {src_path} has {len(sources)} lines, {ref_path} has {len(references)}"
+            )
+        with progress_bar(len(sources), "evaluate") as bar:
+            hyps = translate(model, sources, tokenizer, cfg.decode, device, bar)
+        label = f"beam{cfg.decode.beam_size}" if cfg.decode.strategy == "beam" else cfg.decode.strategy
+        default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
+        output = Path(cfg.output) if cfg.output else default_output
+        output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        scores = score(hyps, references, lowercase=cfg.lowercase)
+        print(scores.summary(f"{src_path.name} -> {ref_path.name} {label}"))
+        print(f"hypotheses: {output}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

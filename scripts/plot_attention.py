@@ -1,0 +1,57 @@
+"""Heatmaps of every attention head for one sentence, as PNG files.
+
+    python scripts/plot_attention.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt sentence="Ein Hund rennt."
+    python scripts/plot_attention.py checkpoint=PATH sentence="..." target="A dog runs." output_dir=attention
+
+The model translates the sentence greedily (or reads `target`) and writes one PNG per attention
+kind and layer: encoder self-attention, decoder self-attention and cross-attention, a panel per
+head, tokens on the axes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from transformer.cli import parse_args
+from transformer.config import exit_on_user_error
+
+
+@dataclass
+class PlotConfig:
+    checkpoint: str = "???"
+    sentence: str = "???"
+    target: Optional[str] = None  # default: the model's own greedy translation
+    output_dir: str = "attention"
+    device: str = "cpu"
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, PlotConfig, __doc__)
+        from transformer.checkpoint import load_model
+        from transformer.decoding import DecodeConfig, translate_ids
+        from transformer.plotting import attention_figures, plt
+
+        model, tokenizer, _ = load_model(Path(cfg.checkpoint), cfg.device)
+        src_ids = tokenizer.encode([cfg.sentence])[0]
+        if cfg.target is None:
+            tgt_ids = translate_ids(model, [src_ids], tokenizer, DecodeConfig(strategy="greedy"), cfg.device)[0][
+                0
+            ].tokens
+        else:
+            tgt_ids = tokenizer.encode([cfg.target])[0]
+        print(f"target: {tokenizer.decode([tgt_ids])[0]}")
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for tag, figure in attention_figures(model, tokenizer, src_ids, tgt_ids).items():
+            path = out / f"{tag.replace('/', '_')}.png"
+            figure.savefig(path, dpi=120)
+            plt.close(figure)
+            print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,131 @@
+"""Decoding properties: beam 1 == greedy, cached == uncached, batch-independence, sorted distinct
+n-best lists, seeded sampling, ensembles and checkpoint averaging."""
+
+import pytest
+import torch
+
+from transformer import checkpoint
+from transformer.data import pad
+from transformer.decoder_models import Ensemble, Uncached
+from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler
+from transformer.model import ModelConfig, Transformer
+
+PAD, BOS, EOS = 0, 2, 3
+
+
+def make_model(seed: int = 0, **overrides) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=30, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)
+    model = Transformer(ModelConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():  # sharper distributions than at initialization, so EOS comes at varied steps
+        model.embed.embed.weight.mul_(3.0)
+    return model
+
+
+def sources(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 12, (n,), generator=g).tolist()
+    return [torch.randint(4, 30, (n_tok,), generator=g).tolist() for n_tok in lengths]
+
+
+def batch(sents: list[list[int]]) -> torch.Tensor:
+    return pad([s + [EOS] for s in sents], PAD)
+
+
+def test_beam_size_one_equals_greedy():
+    model, src = make_model(), batch(sources(16))
+    cfg = DecodeConfig(beam_size=1, length_penalty=0.0)
+    beams = beam_search(model, src, BOS, EOS, cfg)
+    assert [b[0].tokens for b in beams] == greedy(model, src, BOS, EOS, cfg)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
+def test_cached_decoding_equals_full_recomputation(n_kv_heads):
+    model, src = make_model(n_kv_heads=n_kv_heads), batch(sources(8))
+    cfg = DecodeConfig(beam_size=4)
+    assert greedy(model, src, BOS, EOS, cfg) == greedy(Uncached(model), src, BOS, EOS, cfg)
+    cached, uncached = beam_search(model, src, BOS, EOS, cfg), beam_search(Uncached(model), src, BOS, EOS, cfg)
+    assert [b[0].tokens for b in cached] == [b[0].tokens for b in uncached]
+    for a, b in zip(cached, uncached):
+        assert a[0].score == pytest.approx(b[0].score, abs=1e-4)
+
+
+def test_a_sentence_decodes_the_same_alone_and_in_a_padded_batch_of_64():
+    model, sents = make_model(), sources(64)
+    cfg = DecodeConfig(beam_size=5, n_best=3)
+    together = beam_search(model, batch(sents), BOS, EOS, cfg)
+    for i in (0, 17, 63):
+        alone = beam_search(model, batch([sents[i]]), BOS, EOS, cfg)[0]
+        assert [h.tokens for h in alone] == [h.tokens for h in together[i]]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in together[i]], abs=1e-4)
+
+
+def test_n_best_lists_are_sorted_distinct_and_scored_with_the_length_penalty():
+    model = make_model()
+    cfg = DecodeConfig(beam_size=6, n_best=6, length_penalty=1.0)
+    for hyps in beam_search(model, batch(sources(12)), BOS, EOS, cfg):
+        assert len(hyps) == 6
+        scores = [h.score for h in hyps]
+        assert scores == sorted(scores, reverse=True)
+        assert len({tuple(h.tokens) for h in hyps}) == 6
+        for h in hyps:  # length counts the EOS
+            assert h.score == pytest.approx(h.log_prob / ((5 + len(h.tokens) + 1) / 6))
+
+
+def test_beam_search_finds_at_least_the_greedy_score():
+    model, src = make_model(), batch(sources(16))
+    cfg = DecodeConfig(beam_size=8, length_penalty=0.0)
+    greedy_hyps = generate(model, src, BOS, EOS, cfg, lambda lp: lp.argmax(-1))
+    for beam, g in zip(beam_search(model, src, BOS, EOS, cfg), greedy_hyps):
+        assert beam[0].log_prob >= g.log_prob - 1e-5
+
+
+def test_max_length_rule_bounds_every_hypothesis():
+    model, sents = make_model(), sources(10)
+    cfg = DecodeConfig(beam_size=3, max_len_a=0.5, max_len_b=2)
+    for sent, hyps in zip(sents, beam_search(model, batch(sents), BOS, EOS, cfg)):
+        assert len(hyps[0].tokens) + 1 <= int((len(sent) + 1) * 0.5 + 2)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy():
+    model, src = make_model(), batch(sources(8))
+    cfg = DecodeConfig(strategy="sample", temperature=1.5, top_p=0.9)
+
+    def draw(seed):
+        return [
+            h.tokens for h in generate(model, src, BOS, EOS, cfg, sampler(cfg, torch.Generator().manual_seed(seed)))
+        ]
+
+    assert draw(5) == draw(5) and draw(5) != draw(6)
+    top1 = DecodeConfig(strategy="sample", top_k=1)
+    picks = generate(model, src, BOS, EOS, top1, sampler(top1, torch.Generator().manual_seed(0)))
+    assert [h.tokens for h in picks] == greedy(model, src, BOS, EOS, top1)
+
+
+def test_ensemble_of_one_model_twice_decodes_like_the_model():
+    model, src = make_model(), batch(sources(8))
+    cfg = DecodeConfig(beam_size=4)
+    single, ensembled = (
+        beam_search(model, src, BOS, EOS, cfg),
+        beam_search(Ensemble([model, model]), src, BOS, EOS, cfg),
+    )
+    assert [b[0].tokens for b in single] == [b[0].tokens for b in ensembled]
+    other = Ensemble([model, make_model(seed=1)])
+    assert greedy(other, src, BOS, EOS, cfg) != greedy(model, src, BOS, EOS, cfg)
+
+
+def test_averaging_copies_of_a_checkpoint_gives_the_same_weights(tmp_path):
+    from transformer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.train(["ein hund läuft", "a dog runs", "zwei katzen"] * 20, vocab_size=30, model_type="char")
+    model = make_model(vocab_size=len(tokenizer))
+    paths = [tmp_path / f"c{i}.pt" for i in range(3)]
+    for path in paths:
+        checkpoint.save(path, model, tokenizer, train_config={}, step=1)
+    averaged = checkpoint.average(paths)
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(averaged["model"][name], tensor, rtol=0, atol=0)
+    other = make_model(seed=3, vocab_size=len(tokenizer))
+    checkpoint.save(paths[1], other, tokenizer, train_config={}, step=2)
+    mixed = checkpoint.average(paths[:2])["model"]["embed.embed.weight"]
+    torch.testing.assert_close(mixed, (model.embed.embed.weight + other.embed.embed.weight) / 2)

@@ -1,0 +1,127 @@
+"""Reliability: exact resume after SIGKILL, graceful SIGTERM, crash-safe saves, refusing to mix
+runs, and stopping on non-finite values."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from transformer import checkpoint
+from transformer.model import ModelConfig, Transformer
+from transformer.tokenizer import Tokenizer
+
+from .conftest import ROOT
+
+# A small model on the tiny corpus: slow enough (~0.1 s a step) to be interrupted mid-run.
+TRAIN = ["experiment=smoke", "model=small", "data.max_tokens=600", "trainer.precision=fp32", "trainer.threads=1",
+         "trainer.log_every=1", "trainer.eval_every=10", "trainer.eval_bleu=false", "data.test_splits=[]"]  # fmt: skip
+
+
+def command(run_dir, corpus, *extra):
+    return [sys.executable, "train.py", *TRAIN, f"data.dir={corpus}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def losses(run_dir) -> dict[int, float]:
+    """step -> training loss, the last record of each step (a resumed run rewrites later steps)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def start_and_wait(cmd, run_dir, min_step: int) -> subprocess.Popen:
+    """Start training and return once metrics.jsonl shows a step >= min_step."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").is_file() and max(losses(run_dir), default=0) >= min_step:
+            return proc
+        time.sleep(0.02)
+    raise AssertionError(f"training did not reach step {min_step}: {proc.communicate()[1][-2000:]}")
+
+
+def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus):
+    full = tmp_path / "full"
+    done = subprocess.run(command(full, tiny_corpus, "trainer.max_steps=40"), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    killed = tmp_path / "killed"
+    proc = start_and_wait(command(killed, tiny_corpus, "trainer.max_steps=40"), killed, min_step=24)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    resumed_from = checkpoint.load(killed / "checkpoint_last.pt")["step"]
+    assert resumed_from in (20, 30)
+    again = subprocess.run(
+        command(killed, tiny_corpus, "trainer.max_steps=40"), cwd=ROOT, capture_output=True, text=True
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resumed at step {resumed_from}" in again.stdout
+
+    expected, got = losses(full), losses(killed)
+    later = [s for s in expected if s > resumed_from]
+    assert later and max(abs(expected[s] - got[s]) for s in later) == 0.0
+
+
+def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_corpus):
+    run_dir = tmp_path / "run"
+    proc = start_and_wait(command(run_dir, tiny_corpus, "trainer.max_steps=100000"), run_dir, min_step=3)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "Traceback" not in stderr and f"hydra.run.dir={run_dir}" in stderr
+    saved = checkpoint.load(run_dir / "checkpoint_last.pt")
+    assert f"at step {saved['step']};" in stderr and saved["step"] >= 3
+
+
+def test_a_directory_with_another_run_is_refused_and_left_intact(tmp_path, tiny_corpus):
+    run_dir = tmp_path / "run"
+    first = subprocess.run(
+        command(run_dir, tiny_corpus, "trainer.max_steps=10"), cwd=ROOT, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (run_dir / "checkpoint_last.pt").read_bytes()
+    other = subprocess.run(
+        command(run_dir, tiny_corpus, "trainer.max_steps=10", "model.d_ff=128"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert "already holds another run" in other.stderr and "model.d_ff" in other.stderr
+    assert (run_dir / "checkpoint_last.pt").read_bytes() == before
+    resume = subprocess.run(
+        command(tmp_path / "new", tiny_corpus, "model.d_ff=128", f"trainer.resume={run_dir}"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert resume.returncode == 2 and "cannot resume" in resume.stderr and "model.d_ff" in resume.stderr
+
+
+def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    tokenizer = Tokenizer.train(["ein hund", "a dog", "zwei katzen", "two cats"] * 10, vocab_size=30, model_type="char")
+    model = Transformer(
+        ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=16, n_heads=2, d_ff=32)
+    )
+    path = tmp_path / "checkpoint_last.pt"
+    checkpoint.save(path, model, tokenizer, train_config={}, step=1)
+
+    def crash(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, model, tokenizer, train_config={}, step=2)
+    monkeypatch.undo()
+    assert checkpoint.load(path)["step"] == 1
+
+
+def test_non_finite_losses_skip_updates_then_stop(tmp_path, tiny_corpus):
+    result = subprocess.run(command(tmp_path / "run", tiny_corpus, "trainer.lr=1e30", "trainer.warmup_steps=1", "trainer.max_bad_steps=2", "trainer.max_steps=200"),
+                            cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "consecutive steps with non-finite loss or gradients" in result.stderr and "Traceback" not in result.stderr
+    assert "update skipped" in result.stdout

@@ -1,0 +1,53 @@
+"""What translate.py, evaluate.py and the scripts share: key=value arguments checked against a
+dataclass, loading a checkpoint (or an ensemble) for decoding, and a progress bar for stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .config import ConfigError, to_config
+
+
+def parse_args(argv: list[str], schema: type, doc: str):
+    """`key=value` arguments (as train.py takes them) -> a validated `schema` instance."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc.strip())
+        sys.exit(0)
+    bad = [a for a in argv if "=" not in a]
+    if bad:
+        raise ConfigError(f"expected key=value arguments, got {bad[0]!r} (see --help)")
+    cfg = to_config(OmegaConf.from_dotlist(argv), schema)
+    missing = [name for name, value in vars(cfg).items() if value == "???"]
+    if missing:
+        raise ConfigError(f"missing {missing[0]}=... (see --help)")
+    return cfg
+
+
+def load_decoder(checkpoint: str, ensemble: list[str], device):
+    """The model to decode with (one checkpoint, or an Ensemble), its tokenizer, the first payload."""
+    from .checkpoint import load_model
+    from .decoder_models import Ensemble
+
+    model, tokenizer, payload = load_model(Path(checkpoint), device)
+    if not ensemble:
+        return model, tokenizer, payload
+    others = [load_model(Path(path), device) for path in ensemble]
+    for path, (_, other_tokenizer, _) in zip(ensemble, others):
+        if other_tokenizer.model_bytes != tokenizer.model_bytes:
+            raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
+    return Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
+
+
+def progress_bar(total: int, desc: str):
+    """A progress bar on stderr, shown only when stderr is a terminal (quiet in logs and CI)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="sent", file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)

@@ -1,0 +1,117 @@
+"""What a run reports while it trains: TensorBoard scalars, texts, attention images and hparams,
+a metrics.jsonl file with the same numbers, and a progress bar on stderr when it is a terminal."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+
+def flat_scalars(config: dict, prefix: str = "") -> dict:
+    """Nested config -> {"model.d_model": 256, ...} with only the values TensorBoard's hparams take."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_scalars(value, name + "."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif value is None:
+            out[name] = "null"
+        else:
+            out[name] = str(value)
+    return out
+
+
+class Monitor:
+    """One SummaryWriter per run (written by the process that trains; rank 0 when distributed)."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.run_dir = Path(run_dir)
+        self.writer = SummaryWriter(str(self.run_dir / "tensorboard")) if enabled else None
+        self.bar = None
+
+    def record(self, record: dict) -> None:
+        """One JSON object per line in metrics.jsonl: the run's numbers, for plots and checks."""
+        with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def train(
+        self, step: int, epoch: int, loss: float, lr: float, grad_norm: float, tok_per_s: float, padding: float
+    ) -> None:
+        self.record(
+            {
+                "step": step,
+                "epoch": epoch,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tok_per_s,
+                "padding_ratio": padding,
+            }
+        )
+        scalars = {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50)),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tok_per_s,
+            "padding_ratio": padding,
+        }
+        if self.writer:
+            for name, value in scalars.items():
+                self.writer.add_scalar(f"train/{name}", value, step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:.0f}", refresh=False)
+
+    def valid(self, step: int, loss: float, bleu: float | None, chrf: float | None) -> None:
+        record = {"step": step, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50))}
+        if bleu is not None:
+            record.update(valid_bleu=bleu, valid_chrf=chrf)
+        self.record(record)
+        if self.writer:
+            for name, value in record.items():
+                if name != "step":
+                    self.writer.add_scalar(f"valid/{name[6:]}", value, step)
+            self.writer.flush()
+
+    def samples(self, step: int, rows: list[tuple[str, str, str]]) -> None:
+        """A few fixed validation sentences: source, reference and the current translation."""
+        if self.writer:
+            table = "| source | reference | translation |\n|---|---|---|\n"
+            table += "".join(f"| {s} | {r} | {h} |\n" for s, r, h in rows)
+            self.writer.add_text("valid/translations", table, step)
+
+    def attention(self, step: int, figures: dict) -> None:
+        """{tag: matplotlib figure} -> TensorBoard images (the figures are closed)."""
+        if self.writer:
+            for tag, figure in figures.items():
+                self.writer.add_figure(f"attention/{tag}", figure, step, close=True)
+
+    def hparams(self, config: dict, metrics: dict) -> None:
+        if self.writer:
+            self.writer.add_hparams(flat_scalars(config), {f"hparam/{k}": v for k, v in metrics.items()}, run_name=".")
+            self.writer.flush()
+
+    def progress(self, total: int, initial: int):
+        """A training progress bar on stderr (steps, loss, lr, tokens/s, ETA); silent unless a terminal."""
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            disable=not sys.stderr.isatty(),
+            dynamic_ncols=True,
+        )
+        return self.bar
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
