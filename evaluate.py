@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, progress_bar, setup_logging
+from transformer.cli import load_decoder, parse_args, setup_logging
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.data import DataConfig, DataError, corpus_file, read_lines
 from transformer.decoding import DecodeConfig, translate
 from transformer.evaluation import score
+from transformer.monitoring import progress_bar
 
 
 @dataclass

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, progress_bar, setup_logging
+from transformer.cli import load_decoder, parse_args, setup_logging
 from transformer.config import exit_on_user_error
 from transformer.data import DataError, read_lines
 from transformer.decoding import DecodeConfig, Hypothesis, translate_ids
+from transformer.monitoring import progress_bar
 
 log = logging.getLogger("translate")
 

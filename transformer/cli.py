@@ -42,12 +42,5 @@ def load_decoder(checkpoint: str, ensemble: list[str], device):
     return Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
 
 
-def progress_bar(total: int, desc: str):
-    """A progress bar on stderr, shown only when stderr is a terminal (quiet in logs and CI)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="sent", file=sys.stderr, disable=not sys.stderr.isatty())
-
-
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)

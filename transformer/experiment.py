@@ -17,7 +17,7 @@ from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split
 from .decoding import DecodeConfig, translate_corpus
 from .evaluation import score
 from .model import Transformer, count_parameters
-from .resume import check_compatible, make_deterministic, resume_path
+from .resume import check_compatible, clear_run, make_deterministic, resume_path
 from .tokenizer import Tokenizer
 from .training import Trainer, autocast_dtype, pick_device, to_plain
 
@@ -30,12 +30,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def load_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
-    """Train the joint SentencePiece model on both sides of the training split, or reuse the run's."""
+def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
+    """The joint SentencePiece model of both sides of the training split, saved as spm.model
+    (a resumed run takes it from its checkpoint instead)."""
     path = run_dir / "spm.model"
-    if path.is_file():
-        log.info("reusing tokenizer %s", path)
-        return Tokenizer.load(path)
     started = time.monotonic()
     tokenizer = Tokenizer.train(
         list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
@@ -59,8 +57,8 @@ def prepare_data(cfg, run_dir: Path, tokenizer: Tokenizer | None) -> tuple[Token
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
     valid_ds = load_split(cfg.data, cfg.data.valid_split)
     if tokenizer is None:
-        tokenizer = load_tokenizer(cfg, run_dir, train_ds)
-    elif not (run_dir / "spm.model").is_file():
+        tokenizer = train_tokenizer(cfg, run_dir, train_ds)
+    else:
         tokenizer.save(run_dir / "spm.model")
     train = filter_long(tokenize(train_ds, tokenizer), cfg.data.max_len)
     log.info(
@@ -76,6 +74,8 @@ def prepare_data(cfg, run_dir: Path, tokenizer: Tokenizer | None) -> tuple[Token
 def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     """The checkpoint this run continues from (trainer.resume, or the run directory's own), checked
     to hold the same configuration; None for a fresh start."""
+    if cfg.trainer.overwrite and not cfg.trainer.resume:
+        clear_run(run_dir)
     path = resume_path(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
     if path is None:
         return None

@@ -11,6 +11,21 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 
+def progress_bar(total: int, desc: str, unit: str = "sent", initial: int = 0):
+    """A tqdm bar on stderr, shown only when stderr is a terminal (quiet in log files and CI)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        dynamic_ncols=True,
+    )
+
+
 def flat_scalars(config: dict, prefix: str = "") -> dict:
     """Nested config -> {"model.d_model": 256, ...} with only the values TensorBoard's hparams take."""
     out = {}
@@ -98,18 +113,8 @@ class Monitor:
             self.writer.flush()
 
     def progress(self, total: int, initial: int):
-        """A training progress bar on stderr (steps, loss, lr, tokens/s, ETA); silent unless a terminal."""
-        from tqdm import tqdm
-
-        self.bar = tqdm(
-            total=total,
-            initial=initial,
-            desc="train",
-            unit="step",
-            file=sys.stderr,
-            disable=not sys.stderr.isatty(),
-            dynamic_ncols=True,
-        )
+        """The training progress bar (steps, loss, lr, tokens/s, ETA)."""
+        self.bar = progress_bar(total, "train", unit="step", initial=initial)
         return self.bar
 
     def close(self) -> None:

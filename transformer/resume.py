@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 from pathlib import Path
 
@@ -85,6 +86,13 @@ def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | No
     if own.is_file() and not overwrite:
         return own
     return None
+
+
+def clear_run(run_dir: Path) -> None:
+    """What trainer.overwrite=true replaces: an earlier run's checkpoints, tokenizer and logs of numbers."""
+    for path in [*run_dir.glob("checkpoint_*.pt"), run_dir / "spm.model", run_dir / "metrics.jsonl"]:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
 
 
 def check_compatible(path: Path, saved_config: dict, current_config: dict, explicit: bool) -> None:

@@ -21,7 +21,7 @@ from .decoding import translate_ids
 from .errors import TrainingStopped
 from .evaluation import score
 from .model import Transformer
-from .monitoring import Monitor
+from .monitoring import Monitor, progress_bar
 from .plotting import attention_figures
 from .resume import GracefulStop, rng_states, set_rng_states
 
@@ -238,7 +238,8 @@ class Trainer:
         message = f"validation step {self.state.step}: loss {loss:.3f} ppl {math.exp(min(loss, 50)):.2f}"
         if self.tcfg.eval_bleu:
             greedy = replace(self.cfg.decode, strategy="greedy")  # fast, and enough to rank checkpoints
-            n_best = translate_ids(self.model, self.valid_data.src, self.tokenizer, greedy, self.device)
+            with progress_bar(len(self.valid_data), "validate") as bar:
+                n_best = translate_ids(self.model, self.valid_data.src, self.tokenizer, greedy, self.device, bar)
             hyp_ids = [hyps[0].tokens for hyps in n_best]
             hyps = self.tokenizer.decode(hyp_ids)
             scores = score(hyps, self.valid_data.tgt_text)
@@ -296,15 +297,17 @@ class Trainer:
             old.unlink()
 
     def after_validation(self, value: float) -> bool:
-        """Save checkpoints; return True when early stopping says to stop."""
-        self.save("checkpoint_last.pt")
-        self.save_numbered()
-        if value > self.state.best_score:
+        """Track the best score and save checkpoints; return True when early stopping says to stop."""
+        improved = value > self.state.best_score
+        if improved:
             self.state.best_score, self.state.bad_evals = value, 0
+        else:
+            self.state.bad_evals += 1
+        self.save("checkpoint_last.pt")  # after the update, so a resumed run knows the best score
+        self.save_numbered()
+        if improved:
             self.save("checkpoint_best.pt")
-            return False
-        self.state.bad_evals += 1
-        return 0 < self.tcfg.patience <= self.state.bad_evals
+        return not improved and 0 < self.tcfg.patience <= self.state.bad_evals
 
     # ---- the loop
 
