@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
+from transformer.attention import MultiHeadAttention
 from transformer.decoding import DecodeConfig, greedy
 from transformer.model import (
     DecoderState,
     ModelConfig,
-    MultiHeadAttention,
     Transformer,
     causal_mask,
     padding_mask,
