@@ -60,7 +60,7 @@ def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus):
         optimizer.zero_grad()
         (loss / batch.n_tgt_tokens).backward()
         optimizer.step()
-    assert float(loss) / batch.n_tgt_tokens < 0.05
-    assert math.isfinite(float(loss))
+    assert float(loss.detach()) / batch.n_tgt_tokens < 0.05
+    assert math.isfinite(float(loss.detach()))
     hyps = translate_corpus(model, corpus, tokenizer, DecodeConfig(), torch.device("cpu"))
     assert hyps == corpus.tgt_text
