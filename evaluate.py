@@ -23,7 +23,7 @@ from typing import Optional
 
 from transformer.cli import load_decoder, parse_args, setup_logging
 from transformer.config import ConfigError, exit_on_user_error
-from transformer.data import DataConfig, DataError, corpus_file, read_lines
+from transformer.data import DataConfig, corpus_file, read_parallel, write_lines
 from transformer.decoding import DecodeConfig, translate
 from transformer.evaluation import score
 from transformer.monitoring import progress_bar
@@ -60,22 +60,15 @@ def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, EvaluateConfig, __doc__)
-        from transformer.training import pick_device
-
-        device = pick_device(cfg.device)
-        model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, device)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
-        sources, references = read_lines(src_path), read_lines(ref_path)
-        if len(sources) != len(references):
-            raise DataError(
-                f"line counts differ: {src_path} has {len(sources)} lines, {ref_path} has {len(references)}"
-            )
+        sources, references = read_parallel(src_path, ref_path)
         with progress_bar(len(sources), "evaluate") as bar:
-            hyps = translate(model, sources, tokenizer, cfg.decode, device, bar)
-        label = f"beam{cfg.decode.beam_size}" if cfg.decode.strategy == "beam" else cfg.decode.strategy
+            hyps = translate(model, sources, tokenizer, cfg.decode, device, bar, source_name=str(src_path))
+        label = cfg.decode.label
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
         output = Path(cfg.output) if cfg.output else default_output
-        output.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        write_lines(output, hyps)
         scores = score(hyps, references, lowercase=cfg.lowercase)
         print(scores.summary(f"{src_path.name} -> {ref_path.name} {label}"))
         print(f"hypotheses: {output}")

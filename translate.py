@@ -25,8 +25,8 @@ from typing import Optional
 
 from transformer.cli import load_decoder, parse_args, setup_logging
 from transformer.config import exit_on_user_error
-from transformer.data import DataError, read_lines
-from transformer.decoding import DecodeConfig, Hypothesis, translate_ids
+from transformer.data import DataError, read_lines, write_lines
+from transformer.decoding import DecodeConfig, Hypothesis, translate_texts
 from transformer.monitoring import progress_bar
 
 log = logging.getLogger("translate")
@@ -51,47 +51,29 @@ def read_input(path: str | None) -> list[str]:
     return read_lines(Path(path))
 
 
-def encode_sources(lines: list[str], tokenizer, max_tokens: int, source_name: str) -> list[list[int]]:
-    ids = tokenizer.encode(lines)
-    for number, sentence in enumerate(ids, 1):
-        if len(sentence) > max_tokens:
-            log.warning("%s:%d: %d tokens, truncated to %d", source_name, number, len(sentence), max_tokens)
-            ids[number - 1] = sentence[:max_tokens]
-    return ids
-
-
-def format_output(n_best: list[list[Hypothesis]], tokenizer, n: int) -> str:
+def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int) -> list[str]:
+    """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation."""
     if n == 1:
-        return "".join(tokenizer.decode(hyps[0].tokens) + "\n" for hyps in n_best)
-    return "".join(f"{i}\t{h.score:.4f}\t{tokenizer.decode(h.tokens)}\n" for i, hyps in enumerate(n_best) for h in hyps)
+        return tokenizer.decode([hyps[0].tokens for hyps in n_best])
+    return [f"{i}\t{h.score:.4f}\t{tokenizer.decode([h.tokens])[0]}" for i, hyps in enumerate(n_best) for h in hyps]
 
 
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, TranslateConfig, __doc__)
-        from transformer.training import pick_device
-
-        device = pick_device(cfg.device)
-        model, tokenizer, _ = load_decoder(cfg.checkpoint, cfg.ensemble, device)
+        device, model, tokenizer, _ = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
         lines = read_input(cfg.input)
         if not lines:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")
-        ids = encode_sources(lines, tokenizer, model.cfg.max_positions - 1, cfg.input or "stdin")
-        todo = [i for i, line in enumerate(lines) if line]  # empty lines stay empty
-        with progress_bar(len(todo), "translate") as bar:
-            found = translate_ids(model, [ids[i] for i in todo], tokenizer, cfg.decode, device, bar)
-        n_best = [[Hypothesis([], 0.0, 0.0)] * cfg.decode.n_best for _ in lines]
-        for i, hyps in zip(todo, found):
-            n_best[i] = hyps
-        text = format_output(n_best, tokenizer, cfg.decode.n_best)
+        name = cfg.input or "stdin"
+        with progress_bar(sum(1 for line in lines if line), "translate") as bar:
+            n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, source_name=name)
+        out = output_lines(n_best, tokenizer, cfg.decode.n_best)
         if cfg.output is None:
-            sys.stdout.write(text)
-            return
-        try:
-            Path(cfg.output).write_text(text, encoding="utf-8")
-        except OSError as e:
-            raise DataError(f"cannot write {cfg.output}: {e.strerror}") from None
+            sys.stdout.write("".join(line + "\n" for line in out))
+        else:
+            write_lines(Path(cfg.output), out)
 
 
 if __name__ == "__main__":

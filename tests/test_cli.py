@@ -72,6 +72,19 @@ def test_translate_keeps_empty_lines_and_writes_n_best_lists(smoke_run):
     assert len(one_best.stdout.splitlines()) == 4 and one_best.stdout.splitlines()[1:3] == ["", ""]
 
 
+def test_translate_input_problems(smoke_run, tmp_path):
+    best = smoke_run / "checkpoint_best.pt"
+    long_line = " ".join(["Hund"] * 400)
+    truncated = run("translate.py", f"checkpoint={best}", "decode.strategy=greedy", stdin=f"Ein Hund.\n{long_line}\n")
+    assert truncated.returncode == 0 and len(truncated.stdout.splitlines()) == 2
+    assert "stdin:2:" in truncated.stderr and "truncated to 255" in truncated.stderr
+    empty = run("translate.py", f"checkpoint={best}", stdin="")
+    assert empty.returncode == 0 and empty.stdout == "" and "has no lines" in empty.stderr
+    latin1 = tmp_path / "latin1.de"
+    latin1.write_bytes("Ein Hund.\nGr\u00fc\u00dfe\n".encode("latin-1"))
+    assert_one_line_error(run("translate.py", f"checkpoint={best}", f"input={latin1}"), f"{latin1}:2", "UTF-8")
+
+
 def test_evaluate_and_average_checkpoints(smoke_run, shared_corpus, tmp_path):
     best = smoke_run / "checkpoint_best.pt"
     evaluated = run(
@@ -170,3 +183,37 @@ def test_translate_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
     bogus.write_text("hello\n")
     assert_one_line_error(run("translate.py", f"checkpoint={bogus}", stdin="Hallo\n"), str(bogus))
     assert_one_line_error(run("translate.py", "beam=5", stdin=""), "beam")
+
+
+def bad_input_cases(run_dir: Path, tmp: Path) -> list[tuple[list[str], str, list[str]]]:
+    """(arguments, stdin, expected words in the error line) for translate.py and evaluate.py."""
+    import torch
+
+    best = run_dir / "checkpoint_best.pt"
+    truncated = tmp / "truncated.pt"
+    truncated.write_bytes(best.read_bytes()[:5000])
+    old_format = tmp / "old.pt"
+    torch.save({"format_version": 0, "model": {}}, old_format)
+    pickled = tmp / "pickled.pt"
+    torch.save({"format_version": 1, "payload": Path("/")}, pickled)
+    src, ref = tmp / "src.de", tmp / "ref.en"
+    src.write_text("eins\nzwei\n")
+    ref.write_text("one\n")
+    return [
+        (["translate.py", f"checkpoint={tmp / 'missing.pt'}"], "Hallo\n", ["missing.pt", "does not exist"]),
+        (["translate.py", f"checkpoint={truncated}"], "Hallo\n", ["truncated.pt", "not a readable checkpoint"]),
+        (["translate.py", f"checkpoint={old_format}"], "Hallo\n", ["old.pt", "format version 0"]),
+        (["translate.py", f"checkpoint={pickled}"], "Hallo\n", ["pickled.pt", "not a safe checkpoint"]),
+        (["translate.py", f"checkpoint={best}", f"input={tmp / 'nothing.de'}"], "", ["nothing.de"]),
+        (["translate.py", f"checkpoint={best}", "decode.beam_size=many"], "", ["decode.beam_size"]),
+        (["translate.py", f"checkpoint={best}", "decode.strategy=best"], "", ["decode.strategy"]),
+        (["evaluate.py", f"checkpoint={best}", f"src={src}", f"ref={ref}"], "", ["src.de has 2 lines", "ref.en has 1"]),
+        (["evaluate.py", f"checkpoint={best}", f"src={src}"], "", ["ref=PATH"]),
+        (["evaluate.py", f"checkpoint={best}", "split=test_2099"], "", ["test_2099"]),
+        (["scripts/average_checkpoints.py", f"run={run_dir}", "last=9"], "", ["last=9", "2 numbered checkpoints"]),
+    ]
+
+
+def test_bad_inputs_to_translate_evaluate_and_average_get_one_error_line(smoke_run, tmp_path):
+    for args, stdin, needles in bad_input_cases(smoke_run, tmp_path):
+        assert_one_line_error(run(*args, stdin=stdin), *needles)

@@ -27,19 +27,21 @@ def parse_args(argv: list[str], schema: type, doc: str):
     return cfg
 
 
-def load_decoder(checkpoint: str, ensemble: list[str], device):
-    """The model to decode with (one checkpoint, or an Ensemble), its tokenizer, the first payload."""
+def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
+    """(device, the model to decode with: one checkpoint or an Ensemble, its tokenizer, the first payload)."""
     from .checkpoint import load_model
     from .decoder_models import Ensemble
+    from .training import pick_device
 
+    device = pick_device(device_name)
     model, tokenizer, payload = load_model(Path(checkpoint), device)
     if not ensemble:
-        return model, tokenizer, payload
+        return device, model, tokenizer, payload
     others = [load_model(Path(path), device) for path in ensemble]
     for path, (_, other_tokenizer, _) in zip(ensemble, others):
         if other_tokenizer.model_bytes != tokenizer.model_bytes:
             raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
-    return Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
+    return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
 
 
 def setup_logging() -> None:

@@ -89,11 +89,24 @@ def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     if cfg.hub_name:
         return _load_hub_split(cfg, split)
     directory = Path(cfg.dir)
-    src_path, tgt_path = corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang)
+    src, tgt = read_parallel(corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang))
+    return datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+
+
+def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
+    """Two aligned files; their line counts must agree."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
         raise DataError(f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)}")
-    return datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+    return src, tgt
+
+
+def write_lines(path: Path, lines: list[str]) -> None:
+    """One line per item, UTF-8, each ending in a newline."""
+    try:
+        Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"cannot write {path}: {e.strerror}") from None
 
 
 def _load_hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:

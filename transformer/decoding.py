@@ -14,6 +14,7 @@ models' probabilities.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from torch import Tensor
 from .data import TokenizedCorpus, pad, token_batches
 from .model import padding_mask
 
+log = logging.getLogger(__name__)
 STRATEGIES = ("greedy", "beam", "sample")
 
 
@@ -50,6 +52,11 @@ class DecodeConfig:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("decode.temperature must be > 0, decode.top_p in (0, 1], decode.top_k >= 0")
+
+    @property
+    def label(self) -> str:
+        """A short name for file names and reports: greedy, beam5, sample."""
+        return f"beam{self.beam_size}" if self.strategy == "beam" else self.strategy
 
 
 @dataclass
@@ -243,9 +250,33 @@ def translate_ids(
     return out
 
 
-def translate(model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None) -> list[str]:
-    """Best translation of each text, in input order."""
-    n_best = translate_ids(model, tokenizer.encode(texts), tokenizer, cfg, device, progress)
+def encode_sources(texts: list[str], tokenizer, max_tokens: int, source_name: str) -> list[list[int]]:
+    """Token ids of each text; a text longer than max_tokens is truncated with a warning naming its line."""
+    ids = tokenizer.encode(texts)
+    for number, sentence in enumerate(ids, 1):
+        if len(sentence) > max_tokens:
+            log.warning("%s:%d: %d tokens, truncated to %d", source_name, number, len(sentence), max_tokens)
+            ids[number - 1] = sentence[:max_tokens]
+    return ids
+
+
+def translate_texts(
+    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input"
+) -> list[list[Hypothesis]]:
+    """n-best lists for each text, in input order; an empty text gets empty hypotheses."""
+    ids = encode_sources(texts, tokenizer, model.cfg.max_positions - 1, source_name)
+    todo = [i for i, text in enumerate(texts) if text]
+    out = [[Hypothesis([], 0.0, 0.0)] * (cfg.n_best if cfg.strategy == "beam" else 1) for _ in texts]
+    for i, hyps in zip(todo, translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress)):
+        out[i] = hyps
+    return out
+
+
+def translate(
+    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input"
+) -> list[str]:
+    """Best translation of each text, in input order; empty texts give empty translations."""
+    n_best = translate_texts(model, texts, tokenizer, cfg, device, progress, source_name)
     return tokenizer.decode([hyps[0].tokens for hyps in n_best])
 
 

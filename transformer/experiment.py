@@ -13,8 +13,8 @@ import torch
 
 from . import checkpoint
 from .checkpoint import CheckpointError
-from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize
-from .decoding import DecodeConfig, translate_corpus
+from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize, write_lines
+from .decoding import translate_corpus
 from .evaluation import score
 from .model import Transformer, count_parameters
 from .resume import check_compatible, clear_run, make_deterministic, resume_path
@@ -86,10 +86,6 @@ def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     return payload
 
 
-def decoding_label(cfg: DecodeConfig) -> str:
-    return f"beam{cfg.beam_size}" if cfg.strategy == "beam" else cfg.strategy
-
-
 def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device) -> dict[str, dict]:
     """Decode each test split greedily and with the configured strategy; write the hypotheses
     next to the checkpoints as {split}.{strategy}.{tgt_lang}; report BLEU and chrF."""
@@ -101,7 +97,7 @@ def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer,
     for split in cfg.data.test_splits:
         corpus = tokenize(load_split(cfg.data, split), tokenizer)
         for decode_cfg in strategies:
-            label = decoding_label(decode_cfg)
+            label = decode_cfg.label
             hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
             write_lines(run_dir / f"{split}.{label}.{cfg.data.tgt_lang}", hyps)
             scores = score(hyps, corpus.tgt_text)
@@ -111,10 +107,6 @@ def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer,
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
                 report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
     return results
-
-
-def write_lines(path: Path, lines: list[str]) -> None:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
 
 def report(message: str) -> None:

@@ -58,7 +58,7 @@ class Tokenizer:
         return self.sp.encode(texts, out_type=int)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
-        return self.sp.decode(ids)
+        return self.sp.decode(ids) if ids else []  # SentencePiece reads an empty list as one empty sentence
 
     def pieces(self, text: str) -> list[str]:
         return self.sp.encode(text, out_type=str)
