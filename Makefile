@@ -1,12 +1,13 @@
 # make setup: .venv with the CPU build of torch and this project (editable); safe to run again.
 # make train: the default recipe (Multi30k de->en): train, evaluate on the test sets, show samples.
 # make test:  the test suite.
+# make bench: speed against peer implementations (installs transformers for the HF baseline).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test lint
+.PHONY: setup train test lint bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -21,6 +22,12 @@ train: setup
 # pytest exits with 5 when it collects no tests; that is not a failure of the suite.
 test: setup
 	$(BIN)/python -m pytest || [ $$? -eq 5 ]
+
+# Training throughput against torch.nn.Transformer and HF MarianMT, then decoding with and without the cache.
+bench: setup
+	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
+	$(BIN)/python scripts/benchmark.py output=outputs/benchmark.json
+	$(BIN)/python scripts/benchmark_decoding.py output=outputs/benchmark_decoding.json
 
 lint: setup
 	$(BIN)/ruff check .

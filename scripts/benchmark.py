@@ -1,0 +1,285 @@
+"""Training throughput against peer implementations, measured side by side in one run.
+
+    python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has AMX)
+    python scripts/benchmark.py presets=[small] steps=5 output=bench.json
+
+At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
+(grouped by token count), each implementation runs forward + backward + Adam step:
+  ours          transformer.model.Transformer
+  torch         torch.nn.Transformer with embeddings, sinusoidal positions and a tied output layer
+  hf-marian     transformers' MarianMTModel (only if `transformers` is installed: pip install -e ".[bench]")
+Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS)
+is its own. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
+model FLOP/s as a fraction of the dense matmul peak measured in the same run, peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from transformer.benchmarking import hardware
+from transformer.cli import parse_args
+from transformer.config import exit_on_user_error
+
+PRESETS = {  # layers (each side), d_model, heads, d_ff
+    "small": (3, 256, 4, 1024),
+    "base": (6, 512, 8, 2048),
+}
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")
+VOCAB = 8000
+
+
+@dataclass
+class BenchConfig:
+    presets: list[str] = field(default_factory=lambda: ["small", "base"])
+    implementations: list[str] = field(default_factory=lambda: list(IMPLEMENTATIONS))
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only where the CPU has AMX
+    steps: int = 8  # timed steps, after 2 warm-up steps
+    max_tokens: int = 4096
+    data_dir: str = "data/multi30k"
+    output: Optional[str] = None
+    one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
+
+
+# --- The same batches for everyone --------------------------------------------------------------
+
+
+def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """(src, tgt_in, tgt_out, non-padding tokens) of the first n shuffled Multi30k training batches."""
+    import numpy as np
+
+    from transformer.data import DataConfig, collate, load_split, token_batches, tokenize
+    from transformer.tokenizer import Tokenizer
+
+    ds = load_split(DataConfig(dir=cfg.data_dir), "train")
+    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), VOCAB, "unigram")
+    corpus = tokenize(ds, tokenizer)
+    order = token_batches(corpus.lengths(), cfg.max_tokens, np.random.default_rng(0))[:n]
+    out = []
+    for indices in order:
+        b = collate(corpus, indices, tokenizer)
+        out.append((b.src, b.tgt_in, b.tgt_out, b.n_src_tokens + b.n_tgt_tokens))
+    return out
+
+
+# --- The three implementations, each as (model, loss function) ----------------------------------
+
+
+def build_ours(layers, d_model, heads, d_ff):
+    from transformer.model import ModelConfig, Transformer
+    from transformer.training import label_smoothed_loss
+
+    model = Transformer(ModelConfig(VOCAB, 0, layers, layers, d_model, heads, None, d_ff, dropout=0.1))
+
+    def loss(src, tgt_in, tgt_out):
+        return label_smoothed_loss(model(src, tgt_in), tgt_out, 0, 0.1)[0]
+
+    return model, loss
+
+
+class TorchTransformer(torch.nn.Module):
+    """torch.nn.Transformer completed into a translation model the way its users do it."""
+
+    def __init__(self, layers, d_model, heads, d_ff):
+        super().__init__()
+        from transformer.model import SinusoidalPositions
+
+        self.embed = torch.nn.Embedding(VOCAB, d_model, padding_idx=0)
+        self.positions = SinusoidalPositions(d_model, 1024)
+        self.core = torch.nn.Transformer(d_model, heads, layers, layers, d_ff, 0.1, batch_first=True)
+        self.scale = d_model**0.5
+
+    def forward(self, src, tgt):
+        src_pad, tgt_pad = src == 0, tgt == 0
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), dtype=torch.bool)
+        x = self.core(
+            self.positions(self.embed(src) * self.scale),
+            self.positions(self.embed(tgt) * self.scale),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+        )
+        return F.linear(x, self.embed.weight)
+
+
+def build_torch(layers, d_model, heads, d_ff):
+    model = TorchTransformer(layers, d_model, heads, d_ff)
+
+    def loss(src, tgt_in, tgt_out):
+        logits = model(src, tgt_in)
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
+        )
+
+    return model, loss
+
+
+def build_hf(layers, d_model, heads, d_ff):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=VOCAB, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
+        activation_function="relu", dropout=0.1, scale_embedding=True, share_encoder_decoder_embeddings=True,
+    )  # fmt: skip
+    model = MarianMTModel(config)
+
+    def loss(src, tgt_in, tgt_out):
+        logits = model(
+            input_ids=src, attention_mask=src != 0, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_in != 0
+        ).logits
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
+        )
+
+    return model, loss
+
+
+BUILDERS = {"ours": build_ours, "torch": build_torch, "hf-marian": build_hf}
+
+
+# --- Measuring ----------------------------------------------------------------------------------
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """Dense matmul GFLOP/s of this device at this dtype."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def step_flops(batch, layers: int, d_model: int, d_ff: int) -> float:
+    """Matmul FLOPs of one training step on the padded batch (backward = 2x forward), counting
+    projections, feed-forward, attention scores and mixing, and the output layer."""
+    src, tgt = batch[0], batch[1]
+    s_tok, t_tok, s_len, t_len, d = src.numel(), tgt.numel(), src.size(1), tgt.size(1), d_model
+    ffn = 2 * 2 * d * d_ff
+    encoder = s_tok * layers * (2 * 4 * d * d + ffn + 4 * s_len * d)
+    cross_kv = s_tok * layers * 2 * 2 * d * d  # cross-attention keys and values, once per source token
+    decoder = t_tok * (layers * (2 * 6 * d * d + ffn + 4 * (t_len + s_len) * d) + 2 * d * VOCAB)
+    return 3 * (encoder + cross_kv + decoder)
+
+
+def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dict:
+    layers, d_model, heads, d_ff = PRESETS[preset]
+    torch.manual_seed(0)
+    batches = real_batches(cfg, cfg.steps + 2)
+    model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    tokens, flops, elapsed = 0, 0.0, 0.0
+    for i, batch in enumerate(batches):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            loss = loss_fn(*batch[:3])
+        (loss / batch[3]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        float(loss)
+        if i >= 2:  # the first two steps warm up allocators and kernels
+            elapsed += time.perf_counter() - start
+            tokens += batch[3]
+            flops += step_flops(batch, layers, d_model, d_ff)
+    return {
+        "implementation": impl, "preset": preset, "precision": precision,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_per_s": tokens / elapsed, "model_gflops": flops / elapsed / 1e9,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }  # fmt: skip
+
+
+def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> dict | None:
+    args = [
+        sys.executable,
+        __file__,
+        f"one={impl},{preset},{precision}",
+        f"steps={cfg.steps}",
+        f"max_tokens={cfg.max_tokens}",
+        f"data_dir={cfg.data_dir}",
+    ]
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"{impl} {preset} {precision}: failed: {result.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def available(impl: str) -> bool:
+    if impl != "hf-marian":
+        return True
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("hf-marian skipped: transformers is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        return False
+    return True
+
+
+def print_table(rows: list[dict], peaks: dict) -> None:
+    print(
+        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf':>8}{'of peak':>9}{'peak MB':>9}"
+    )
+    for row in rows:
+        same = {
+            r["implementation"]: r for r in rows if r["preset"] == row["preset"] and r["precision"] == row["precision"]
+        }
+        hf_fp32 = next(
+            (
+                r
+                for r in rows
+                if r["preset"] == row["preset"] and r["precision"] == "fp32" and r["implementation"] == "hf-marian"
+            ),
+            None,
+        )
+        vs_torch = row["tokens_per_s"] / same["torch"]["tokens_per_s"] if "torch" in same else float("nan")
+        vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else float("nan")
+        row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
+        print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
+              f"{vs_torch:>8.2f}x{vs_hf:>7.2f}x{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, BenchConfig, __doc__)
+    torch.set_num_threads(torch.get_num_threads())
+    if cfg.one:
+        print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
+        return
+    info = hardware()
+    has_bf16 = "amx_bf16" in info.get("cpu_features", [])
+    precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    print(json.dumps(info))
+    print(
+        f"dense matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s; bf16 autocast measured: {has_bf16}"
+    )
+    rows = []
+    for preset in cfg.presets:
+        for precision in precisions:
+            for impl in [i for i in cfg.implementations if available(i)]:
+                row = run_isolated(impl, preset, precision, cfg)
+                if row:
+                    rows.append(row)
+    print_table(rows, peaks)
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps({"hardware": info, "matmul_peak_gflops": peaks, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

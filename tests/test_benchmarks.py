@@ -1,0 +1,24 @@
+"""The benchmark scripts run end to end and report what they claim to (speeds are not asserted)."""
+
+import json
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+
+def test_training_benchmark_measures_ours_and_torch_on_the_same_batches(tmp_path):
+    out = tmp_path / "bench.json"
+    args = ["presets=[small]", "implementations=[ours,torch]", "precisions=[fp32]", "steps=1", f"output={out}"]
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = {r["implementation"]: r for r in report["rows"]}
+    assert set(rows) == {"ours", "torch"}
+    assert (
+        abs(rows["ours"]["parameters"] - rows["torch"]["parameters"]) / rows["torch"]["parameters"] < 0.01
+    )  # same size
+    assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
+    assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
