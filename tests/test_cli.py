@@ -217,3 +217,10 @@ def bad_input_cases(run_dir: Path, tmp: Path) -> list[tuple[list[str], str, list
 def test_bad_inputs_to_translate_evaluate_and_average_get_one_error_line(smoke_run, tmp_path):
     for args, stdin, needles in bad_input_cases(smoke_run, tmp_path):
         assert_one_line_error(run(*args, stdin=stdin), *needles)
+
+
+def test_plot_curves_draws_the_validation_curve_of_a_run(smoke_run, tmp_path):
+    result = run("scripts/plot_curves.py", f"runs=[{smoke_run}]", f"output={tmp_path / 'curves.png'}")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert_one_line_error(run("scripts/plot_curves.py", f"runs=[{tmp_path}]"), "no metrics.jsonl")
