@@ -1,5 +1,5 @@
 """What translate.py, evaluate.py and the scripts share: key=value arguments checked against a
-dataclass, loading a checkpoint (or an ensemble) for decoding, and a progress bar for stderr."""
+dataclass, loading a checkpoint (or an ensemble) for decoding, and logging to stderr."""
 
 from __future__ import annotations
 

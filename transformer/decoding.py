@@ -111,9 +111,14 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
     return [Hypothesis(h, lp, lp) for h, lp in zip(hyps, log_prob.tolist())]
 
 
+def argmax(lprobs: Tensor) -> Tensor:
+    """The greedy choice: the most probable token of each row."""
+    return lprobs.argmax(-1)
+
+
 def greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[int]]:
     """The most probable next token at every step. src: (batch, src_len) -> token ids, no BOS/EOS."""
-    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, lambda lprobs: lprobs.argmax(-1))]
+    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, argmax)]
 
 
 def sampler(cfg: DecodeConfig, generator: torch.Generator) -> Callable[[Tensor], Tensor]:
@@ -229,7 +234,7 @@ def decode_batch(model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=Non
     bos, eos = tokenizer.bos_id, tokenizer.eos_id
     if cfg.strategy == "beam":
         return beam_search(model, src, bos, eos, cfg)
-    choose = (lambda lp: lp.argmax(-1)) if cfg.strategy == "greedy" else sampler(cfg, generator)
+    choose = argmax if cfg.strategy == "greedy" else sampler(cfg, generator)
     return [[h] for h in generate(model, src, bos, eos, cfg, choose)]
 
 

@@ -4,6 +4,7 @@ largest attention weight) and the BLEU lost when a head is masked out."""
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 
 import torch
 from torch import Tensor
@@ -78,16 +79,14 @@ def head_importance(
 def prune_least_important(model: Transformer, drops: dict[str, Tensor], k: int) -> dict[str, Tensor]:
     """Masks that remove the k heads whose removal alone cost the least BLEU."""
     ranked = sorted(
-        ((float(d), kind, layer, head) for kind, grid in drops.items() for (layer, head), d in _cells(grid)),
+        (
+            (float(grid[layer, head]), kind, layer, head)
+            for kind, grid in drops.items()
+            for layer, head in product(range(grid.size(0)), range(grid.size(1)))
+        ),
         key=lambda item: item[0],
     )
     masks = all_heads(model)
     for _, kind, layer, head in ranked[:k]:
         masks[kind][layer, head] = 0.0
     return masks
-
-
-def _cells(grid: Tensor):
-    for layer in range(grid.size(0)):
-        for head in range(grid.size(1)):
-            yield (layer, head), grid[layer, head]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import product
 
 import matplotlib
 
@@ -77,10 +78,8 @@ def head_heatmap(values: dict[str, Tensor], title: str, label: str):
         ax.set_ylabel("layer")
         ax.set_xticks(range(grid.size(1)))
         ax.set_yticks(range(grid.size(0)))
-        for (layer, head), value in zip(
-            torch.cartesian_prod(torch.arange(grid.size(0)), torch.arange(grid.size(1))).tolist(),
-            grid.flatten().tolist(),
-        ):
+        for layer, head in product(range(grid.size(0)), range(grid.size(1))):
+            value = float(grid[layer, head])
             ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=6, color="white")
         fig.colorbar(image, ax=ax, label=label)
     fig.suptitle(title, fontsize=10)
