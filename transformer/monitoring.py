@@ -83,11 +83,14 @@ class Monitor:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:.0f}", refresh=False)
 
-    def valid(self, step: int, loss: float, bleu: float | None, chrf: float | None) -> None:
+    def valid(
+        self, step: int, loss: float, bleu: float | None, chrf: float | None, train_minutes: float | None = None
+    ) -> None:
+        """train_minutes: the training loop's clock at this validation, as trainer.max_minutes counts it."""
         record = {"step": step, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50))}
         if bleu is not None:
             record.update(valid_bleu=bleu, valid_chrf=chrf)
-        self.record(record)
+        self.record(record if train_minutes is None else record | {"train_minutes": round(train_minutes, 3)})
         if self.writer:
             for name, value in record.items():
                 if name != "step":

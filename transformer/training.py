@@ -252,7 +252,7 @@ class Trainer:
                     self.state.step, attention_figures(self.model, self.tokenizer, valid.src[0], hyp_ids[0])
                 )
         log.info(message)
-        self.monitor.valid(self.state.step, loss, bleu, chrf)
+        self.monitor.valid(self.state.step, loss, bleu, chrf, self.state.train_seconds / 60)
         return bleu if bleu is not None else -loss
 
     # ---- checkpoints
