@@ -1,6 +1,7 @@
 """The entry points as a user runs them: an end-to-end smoke run, then bad input of every kind."""
 
 import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -224,3 +225,37 @@ def test_plot_curves_draws_the_validation_curve_of_a_run(smoke_run, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert_one_line_error(run("scripts/plot_curves.py", f"runs=[{tmp_path}]"), "no metrics.jsonl")
+
+
+def test_convert_to_gqa_converts_finetunes_and_reports(smoke_run, tmp_path):
+    output = tmp_path / "gqa2.pt"
+    result = run(
+        "scripts/convert_to_gqa.py",
+        f"checkpoint={smoke_run / 'checkpoint_best.pt'}",
+        "n_kv_heads=2",
+        "finetune_steps=4",
+        "splits=[val]",
+        "decode.strategy=greedy",
+        "decode.max_len_b=5",
+        f"output={output}",
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(output.with_suffix(".json").read_text())
+    for key in ("bleu_before", "bleu_converted", "bleu_finetuned"):
+        assert set(report[key]) == {"val"}
+    before, after = report["kv_cache_bytes_before"], report["kv_cache_bytes_after"]
+    assert after["self_per_target_token"] * 2 == before["self_per_target_token"]
+    evaluated = run("evaluate.py", f"checkpoint={output}", "split=val", "decode.strategy=greedy", "decode.max_len_b=5")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    bad = run("scripts/convert_to_gqa.py", f"checkpoint={smoke_run / 'checkpoint_best.pt'}", "n_kv_heads=3")
+    assert_one_line_error(bad, "model.n_heads=4 is not divisible by model.n_kv_heads=3")
+
+
+def test_train_with_mixture_of_head_attention_logs_its_balance_loss(tmp_path, shared_corpus):
+    run_dir = tmp_path / "moh"
+    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300", "model/attention=moh", "trainer.max_steps=10", "trainer.eval_every=10")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    balance = [r["balance_loss"] for r in records if "balance_loss" in r]
+    assert balance and all(b >= 0.01 for b in balance)  # beta * (>= 1 per module)
+    assert any("train_minutes" in r for r in records)

@@ -67,3 +67,20 @@ def test_unknown_key_is_refused_by_hydra():
 def test_wrong_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         to_config(compose_config([override]))
+
+
+ATTENTION_KINDS = sorted(p.stem for p in (CONFIGS / "model" / "attention").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("kind", ATTENTION_KINDS)
+@pytest.mark.parametrize("model", ["small", "base"])
+def test_every_attention_kind_composes_with_every_model(kind, model):
+    cfg = to_config(compose_config([f"model={model}", f"model/attention={kind}"]))
+    assert cfg.model.attention.kind == kind
+
+
+def test_block_options_and_attention_keys_are_single_overrides():
+    overrides = ["model.attention.kind=moh", "model.attention.top_k=1", "model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu"]  # fmt: skip
+    m = to_config(compose_config(overrides)).model
+    assert (m.attention.kind, m.attention.top_k, m.positional, m.norm, m.activation) == ("moh", 1, "rope", "rmsnorm", "swiglu")  # fmt: skip
+    assert set(ATTENTION_KINDS) == {"standard", "moh", "dcmha", "overlap"}

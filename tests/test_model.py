@@ -177,7 +177,7 @@ def test_base_preset_is_the_paper_model():
     [
         ({"d_model": 30, "n_heads": 4}, "model.d_model"),
         ({"n_kv_heads": 3}, "model.n_kv_heads"),
-        ({"positional": "rope"}, "model.positional"),
+        ({"positional": "alibi"}, "model.positional"),
     ],
 )
 def test_bad_model_config_names_the_key(overrides, key):

@@ -64,3 +64,36 @@ def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus):
     assert math.isfinite(float(loss.detach()))
     hyps = translate_corpus(model, corpus, tokenizer, DecodeConfig(), torch.device("cpu"))
     assert hyps == corpus.tgt_text
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"attention": {"kind": "moh", "shared_heads": 1, "top_k": 2}},
+        {"attention": {"kind": "dcmha", "rank": 2}},
+        {"attention": {"kind": "overlap", "overlap": 4}},
+        {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True},
+    ],
+    ids=["moh", "dcmha", "overlap", "modern"],
+)
+def test_every_attention_variant_learns_a_tiny_corpus(tiny_corpus, variant):
+    """Each variant trains (with MoH's balance loss in the objective) and memorizes 12 pairs."""
+    from transformer.data import DataConfig, load_split
+
+    torch.manual_seed(0)
+    ds = load_split(DataConfig(dir=str(tiny_corpus)), "train").select(range(12))
+    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=120, model_type="unigram")
+    corpus = tokenize(ds, tokenizer)
+    cfg = dict(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=64, n_heads=4, d_ff=128)
+    model = Transformer(ModelConfig(**cfg, dropout=0.0, **variant))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    batch = collate(corpus, list(range(len(corpus))), tokenizer)
+    for _ in range(250):
+        loss, _ = label_smoothed_loss(model(batch.src, batch.tgt_in), batch.tgt_out, tokenizer.pad_id, 0.0)
+        objective = loss / batch.n_tgt_tokens
+        aux = model.auxiliary_loss()
+        assert (aux is not None) == (model.cfg.attention.kind == "moh")
+        optimizer.zero_grad()
+        (objective if aux is None else objective + aux).backward()
+        optimizer.step()
+    assert float(loss.detach()) / batch.n_tgt_tokens < 0.1

@@ -43,22 +43,63 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding (RoPE, Su et al. 2021): rotate each pair of query/key features
+    by an angle proportional to the position, so q.k depends on the positions' difference only.
+
+    One instance is shared by every self-attention layer; its tables are not saved (they are a
+    function of the shape). Cross-attention takes no positions.
+    """
+
+    def __init__(self, d_head: int, max_positions: int, base: float = 10000.0):
+        super().__init__()
+        if d_head % 2:
+            raise ValueError(f"rotary positions need an even head size, got {d_head}")
+        inv_freq = base ** (-torch.arange(0, d_head, 2, dtype=torch.float) / d_head)
+        angles = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq  # (positions, d_head / 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x: (batch, heads, len, d_head), the tokens at positions offset, offset + 1, ..."""
+        cos = self.cos[offset : offset + x.size(2)].to(x.dtype)
+        sin = self.sin[offset : offset + x.size(2)].to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]  # the pairs (x_2i, x_2i+1)
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
 class MultiHeadAttention(nn.Module):
     """Project with W_q, W_k, W_v, split into heads, attend per head, merge, project with W_o.
 
     With n_kv_heads < n_heads, keys and values have fewer heads than queries (GQA; MQA at 1).
     `state`, a dict owned by the caller, makes decoding incremental: self-attention appends this
     step's keys/values to it, cross-attention (static_kv=True) computes them once and reuses them.
+
+    The forward pass is four steps that the variants in attention_variants.py override one at a
+    time: `split_heads` (how features become heads), `attend` (scores -> weights -> values),
+    `combine_heads` (how head outputs are weighted before W_o) and the optional `rotary`.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, dropout: float, bias: bool):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        dropout: float,
+        bias: bool,
+        rotary: Rotary | None = None,
+        head_size: int | None = None,
+    ):
+        """head_size: the features each head attends with; d_model / n_heads unless a variant widens it."""
         super().__init__()
         self.n_heads, self.n_kv_heads, self.d_head = n_heads, n_kv_heads, d_model // n_heads
+        self.head_size = head_size or self.d_head
         self.dropout = dropout
+        self.rotary = rotary
         self.w_q = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
         self.w_k = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.w_v = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
-        self.w_o = nn.Linear(n_heads * self.d_head, d_model, bias=bias)
+        self.w_o = nn.Linear(n_heads * self.head_size, d_model, bias=bias)
         self.head_mask: Tensor | None = None  # (n_heads,) scales each head's output; see Transformer.set_head_mask
         for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
             nn.init.xavier_uniform_(linear.weight)
@@ -66,19 +107,49 @@ class MultiHeadAttention(nn.Module):
                 nn.init.zeros_(linear.bias)
 
     def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
-        """(batch, len, n_heads * d_head) -> (batch, n_heads, len, d_head)"""
+        """(batch, len, n_heads * d_head) -> (batch, n_heads, len, head_size)"""
         return x.unflatten(-1, (n_heads, self.d_head)).transpose(1, 2)
 
-    def keys_values(self, source: Tensor, state: dict | None, static_kv: bool) -> tuple[Tensor, Tensor]:
+    def keys_values(
+        self, source: Tensor, state: dict | None, static_kv: bool, offset: int = 0
+    ) -> tuple[Tensor, Tensor]:
         if state is not None and static_kv and "k" in state:
             return state["k"], state["v"]
         k = self.split_heads(self.w_k(source), self.n_kv_heads)
         v = self.split_heads(self.w_v(source), self.n_kv_heads)
+        if self.rotary is not None:
+            k = self.rotary(k, offset)  # the cache holds rotated keys, so each is rotated once
         if state is not None:
             if not static_kv and "k" in state:
                 k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
             state["k"], state["v"] = k, v
         return k, v
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        need_weights: bool,
+        query: Tensor,
+        source: Tensor,
+        state: dict | None,
+        static_kv: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-head attention: (batch, heads, q_len, head_size) outputs and, if asked, the weights.
+        query and source (the layer inputs) and the state are there for variants that need them."""
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            return attention_with_weights(q, k, v, mask, dropout_p)
+        return fast_attention(q, k, v, mask, dropout_p), None
+
+    def combine_heads(self, out: Tensor, query: Tensor) -> Tensor:
+        """Weight each head's output (1 for all in standard attention; see head_mask), then merge:
+        (batch, heads, q_len, head_size) -> (batch, q_len, heads * head_size)."""
+        if self.head_mask is not None:
+            out = out * self.head_mask.to(out.dtype).view(1, -1, 1, 1)
+        return out.transpose(1, 2).flatten(2)
 
     def forward(
         self,
@@ -90,14 +161,10 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """query: (batch, q_len, d_model); source: (batch, k_len, d_model), the keys' and values' input."""
-        q = self.split_heads(self.w_q(query), self.n_heads)  # (batch, heads, q_len, d_head)
-        k, v = self.keys_values(source, state, static_kv)  # (batch, kv_heads, k_len, d_head)
-        dropout_p = self.dropout if self.training else 0.0
-        if need_weights:
-            out, weights = attention_with_weights(q, k, v, mask, dropout_p)
-        else:
-            out, weights = fast_attention(q, k, v, mask, dropout_p), None
-        if self.head_mask is not None:
-            out = out * self.head_mask.to(out.dtype).view(1, -1, 1, 1)
-        out = out.transpose(1, 2).flatten(2)  # merge heads: (batch, q_len, d_model)
-        return self.w_o(out), weights
+        offset = state["k"].size(2) if state is not None and not static_kv and "k" in state else 0
+        q = self.split_heads(self.w_q(query), self.n_heads)  # (batch, heads, q_len, head_size)
+        if self.rotary is not None:
+            q = self.rotary(q, offset)
+        k, v = self.keys_values(source, state, static_kv, offset)  # (batch, kv_heads, k_len, head_size)
+        out, weights = self.attend(q, k, v, mask, need_weights, query, source, state, static_kv)
+        return self.w_o(self.combine_heads(out, query)), weights

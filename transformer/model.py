@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
+from .attention import MultiHeadAttention, Rotary
+from .attention_variants import AttentionConfig, MoHAttention, build_attention
 
-POSITIONAL_KINDS = ("sinusoidal", "learned")
+POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
+NORM_KINDS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 
 @dataclass
@@ -38,11 +41,16 @@ class ModelConfig:
     activation_dropout: float = 0.0  # inside the feed-forward network, after the ReLU
     bias: bool = True  # bias terms in the attention projections W_q, W_k, W_v, W_o
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
-    positional: str = "sinusoidal"  # or "learned"
+    positional: str = "sinusoidal"  # or "learned", or "rope" (rotary, inside self-attention)
     max_positions: int = 1024
     tie_output: bool = True  # output projection shares the embedding matrix
+    norm: str = "layernorm"  # or "rmsnorm"
+    activation: str = "relu"  # or "gelu", or "swiglu" (gated; its hidden size is 2/3 d_ff, same parameters)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)  # the attention variant
 
     def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):  # from a checkpoint's plain-dict config
+            self.attention = AttentionConfig(**self.attention)
         kv_heads = self.kv_heads
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
@@ -50,10 +58,23 @@ class ModelConfig:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
         if self.positional not in POSITIONAL_KINDS:
             raise ValueError(f"model.positional={self.positional!r} is not one of {POSITIONAL_KINDS}")
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"model.norm={self.norm!r} is not one of {NORM_KINDS}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        self.attention.check(self.n_heads, self.d_model // self.n_heads)
+        if self.positional == "rope" and self.head_size % 2:
+            raise ValueError(f"model.positional=rope needs an even head size, got {self.head_size}")
 
     @property
     def kv_heads(self) -> int:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        """Features per head in the attention product (wider than d_model / n_heads with overlap)."""
+        overlap = self.attention.overlap if self.attention.kind == "overlap" else 0
+        return self.d_model // self.n_heads + 2 * overlap
 
 
 def padding_mask(tokens: Tensor, pad_id: int) -> Tensor:
@@ -101,6 +122,13 @@ class SinusoidalPositions(nn.Module):
         return x + self.table[offset : offset + x.size(1)].to(x.dtype)
 
 
+class NoPositions(nn.Module):
+    """With rotary positions, order enters inside self-attention; nothing is added here."""
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x
+
+
 class LearnedPositions(nn.Module):
     """One trained vector per position, added to the embeddings."""
 
@@ -117,18 +145,52 @@ class LearnedPositions(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately (GELU in
+    place of max(0, .) with activation="gelu")."""
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
         self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(activation_dropout)
+        self.activation = F.gelu if activation == "gelu" else F.relu
         for linear in (self.linear1, self.linear2):
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.dropout(F.relu(self.linear1(x))))
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+class SwiGLUFeedForward(nn.Module):
+    """FFN(x) = (SiLU(x W_gate) * x W_up) W_down (Shazeer 2020), without biases.
+
+    Three matrices instead of two, so the hidden size is 2/3 of d_ff (rounded to a multiple
+    of 8) to keep the parameter count of the ReLU network.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+        super().__init__()
+        hidden = max(8, round(2 * d_ff / 3 / 8) * 8)
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
+        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.dropout = nn.Dropout(activation_dropout)
+        for linear in (self.gate_up, self.down):
+            nn.init.xavier_uniform_(linear.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.dropout(F.silu(gate) * up))
+
+
+def feed_forward(cfg: ModelConfig) -> nn.Module:
+    if cfg.activation == "swiglu":
+        return SwiGLUFeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+
+
+def make_norm(kind: str, d_model: int) -> nn.Module:
+    """LayerNorm (mean and variance) or RMSNorm (root mean square only, no bias; Zhang & Sennrich 2019)."""
+    return nn.RMSNorm(d_model) if kind == "rmsnorm" else nn.LayerNorm(d_model)
 
 
 class AddNorm(nn.Module):
@@ -139,9 +201,9 @@ class AddNorm(nn.Module):
     A layer calls `before(x)` to get the sublayer's input and `after(x, y)` with its output y.
     """
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: str = "layernorm"):
         super().__init__()
-        self.norm, self.dropout, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), nn.Dropout(dropout), norm_first
 
     def before(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.norm_first else x
@@ -151,18 +213,17 @@ class AddNorm(nn.Module):
         return x if self.norm_first else self.norm(x)
 
 
-def _attention(cfg: ModelConfig) -> MultiHeadAttention:
-    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.attention_dropout, cfg.bias)
+def add_norm(cfg: ModelConfig) -> AddNorm:
+    return AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.norm)
 
 
 class EncoderLayer(nn.Module):
     """Self-attention over the source, then the feed-forward network; each wrapped in Add & Norm."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
         super().__init__()
-        self.self_attn, self.self_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.ffn_norm = AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.self_attn, self.self_attn_norm = build_attention(cfg, False, rotary), add_norm(cfg)
+        self.ffn, self.ffn_norm = feed_forward(cfg), add_norm(cfg)
 
     def forward(self, x: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, dict]:
         h = self.self_attn_norm.before(x)
@@ -175,12 +236,11 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, cross-attention to the encoder output (memory), feed-forward."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary | None = None):
         super().__init__()
-        self.self_attn, self.self_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.cross_attn, self.cross_attn_norm = _attention(cfg), AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-        self.ffn_norm = AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.self_attn, self.self_attn_norm = build_attention(cfg, False, rotary), add_norm(cfg)
+        self.cross_attn, self.cross_attn_norm = build_attention(cfg, True, None), add_norm(cfg)
+        self.ffn, self.ffn_norm = feed_forward(cfg), add_norm(cfg)
 
     def forward(
         self,
@@ -228,14 +288,19 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id)  # shared by both sides
-        positions = SinusoidalPositions if cfg.positional == "sinusoidal" else LearnedPositions
-        self.positions = positions(cfg.d_model, cfg.max_positions)
+        rotary = None
+        if cfg.positional == "rope":
+            self.positions, rotary = NoPositions(), Rotary(cfg.head_size, cfg.max_positions)
+        elif cfg.positional == "learned":
+            self.positions = LearnedPositions(cfg.d_model, cfg.max_positions)
+        else:
+            self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
         self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
-        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
-        # Pre-norm leaves the residual stream un-normalized, so each stack ends with a LayerNorm.
-        self.encoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
-        self.decoder_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_encoder_layers))
+        self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm leaves the residual stream un-normalized, so each stack ends with a norm.
+        self.encoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
+        self.decoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
@@ -294,6 +359,17 @@ class Transformer(nn.Module):
             "decoder_self": [layer.self_attn for layer in self.decoder_layers],
             "cross": [layer.cross_attn for layer in self.decoder_layers],
         }
+
+    def auxiliary_loss(self) -> Tensor | None:
+        """The MoH load-balancing losses of the last training forward pass, weighted by
+        model.attention.balance_weight and summed over layers; None for other attention kinds."""
+        losses = [m.balance_loss for m in self.modules() if isinstance(m, MoHAttention) and m.balance_loss is not None]
+        for m in self.modules():
+            if isinstance(m, MoHAttention):
+                m.balance_loss = None
+        if not losses:
+            return None
+        return self.cfg.attention.balance_weight * torch.stack(losses).sum()
 
     def set_head_mask(self, masks: dict[str, Tensor] | None) -> None:
         """Scale each head's output at inference (1 keeps a head, 0 removes it); weights untouched.

@@ -56,8 +56,18 @@ class Monitor:
             f.write(json.dumps(record) + "\n")
 
     def train(
-        self, step: int, epoch: int, loss: float, lr: float, grad_norm: float, tok_per_s: float, padding: float
+        self,
+        step: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tok_per_s: float,
+        padding: float,
+        extra: dict | None = None,
     ) -> None:
+        """extra: further scalars of the model (e.g. MoH's balance_loss), logged as train/<name>."""
+        extra = extra or {}
         self.record(
             {
                 "step": step,
@@ -68,6 +78,7 @@ class Monitor:
                 "tokens_per_s": tok_per_s,
                 "padding_ratio": padding,
             }
+            | extra
         )
         scalars = {
             "loss": loss,
@@ -76,7 +87,7 @@ class Monitor:
             "grad_norm": grad_norm,
             "tokens_per_s": tok_per_s,
             "padding_ratio": padding,
-        }
+        } | extra
         if self.writer:
             for name, value in scalars.items():
                 self.writer.add_scalar(f"train/{name}", value, step)

@@ -150,6 +150,7 @@ class Trainer:
         self.lengths = train.lengths()
         self.monitor = Monitor(run_dir)
         self.grad_norm = torch.zeros(())
+        self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
 
     # ---- batches
 
@@ -183,7 +184,12 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 logits = self.model(batch.src, batch.tgt_in)
             loss, _ = label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
-            self.scaler.scale(loss / n_tokens).backward()
+            objective = loss / n_tokens
+            aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
+            if aux is not None:
+                objective = objective + aux / len(batches)
+                self.aux_loss = self.aux_loss + aux.detach() / len(batches)
+            self.scaler.scale(objective).backward()
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm or math.inf)
@@ -362,9 +368,16 @@ class Trainer:
         return None
 
     def log_progress(self, window: Throughput) -> None:
+        steps = window.steps
         loss, tok_per_s, padding = window.flush()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.monitor.train(self.state.step, self.state.epoch, loss, lr, float(self.grad_norm), tok_per_s, padding)
+        extra = {}
+        if self.cfg.model.attention.kind == "moh":
+            extra["balance_loss"] = float(self.aux_loss) / max(steps, 1)
+            self.aux_loss = torch.zeros((), device=self.device)
+        self.monitor.train(
+            self.state.step, self.state.epoch, loss, lr, float(self.grad_norm), tok_per_s, padding, extra
+        )
         log.info(
             "step %d epoch %d: loss %.3f lr %.2e %.0f tok/s",
             self.state.step, self.state.epoch, loss, lr, tok_per_s,

@@ -1,0 +1,157 @@
+"""Convert a trained multi-head attention checkpoint to grouped-query attention, then optionally
+fine-tune it, reporting BLEU before, right after and after fine-tuning, and the KV-cache size.
+
+    python scripts/convert_to_gqa.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt n_kv_heads=2
+    python scripts/convert_to_gqa.py checkpoint=PATH n_kv_heads=1 align=false finetune_steps=300
+
+Arguments (key=value):
+    checkpoint=PATH      a model trained with standard attention (n_kv_heads = n_heads)
+    n_kv_heads=K         key/value heads after conversion; must divide n_heads
+    align=true           group and align heads on calibration data before mean pooling
+    calibration=500      training sentence pairs used for alignment
+    finetune_steps=0     training steps after conversion (0: none)
+    finetune_lr=2e-4     peak learning rate of the fine-tuning (warmup: a tenth of the steps)
+    splits=[val,test_2016_flickr]   splits scored with sacreBLEU; the first is the validation split
+    output=PATH          default: checkpoint_gqa<K>.pt next to the input (_ft when fine-tuned)
+    results=PATH         JSON with every score; default: output with .json
+    decode.*             as for evaluate.py (default: beam 5)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from transformer import checkpoint
+from transformer.cli import parse_args, setup_logging
+from transformer.config import Config, ConfigError, exit_on_user_error, to_config
+from transformer.data import collate, load_split, token_batches, tokenize
+from transformer.decoding import DecodeConfig, translate_corpus
+from transformer.evaluation import score
+from transformer.experiment import prepare_data
+from transformer.gqa import convert_to_gqa, kv_cache_bytes_per_token
+from transformer.training import Trainer, pick_device
+
+log = logging.getLogger("convert_to_gqa")
+
+
+@dataclass
+class ConvertConfig:
+    checkpoint: str = "???"
+    n_kv_heads: int = 1
+    align: bool = True
+    calibration: int = 500
+    finetune_steps: int = 0
+    finetune_lr: float = 2e-4
+    splits: list[str] = field(default_factory=lambda: ["val", "test_2016_flickr"])
+    output: Optional[str] = None
+    results: Optional[str] = None
+    device: str = "auto"
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+
+def bleu_scores(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, device) -> dict[str, float]:
+    model.eval()
+    scores = {}
+    for split in cfg.splits:
+        corpus = tokenize(load_split(train_cfg.data, split), tokenizer)
+        hyps = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
+        result = score(hyps, corpus.tgt_text)
+        scores[split] = result.bleu
+        log.info("%s", result.summary(f"{split} {cfg.decode.label}"))
+    return scores
+
+
+def calibration_batches(train, tokenizer, n: int, device) -> list:
+    """About n training pairs, as (src, tgt_in) batches."""
+    rows = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n].numpy()
+    subset = dataclasses.replace(train, src=[train.src[i] for i in rows], tgt=[train.tgt[i] for i in rows])
+    batches = []
+    for indices in token_batches(subset.lengths(), 4096):
+        batch = collate(subset, indices, tokenizer).to(device)
+        batches.append((batch.src, batch.tgt_in))
+    return batches
+
+
+def finetune(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, train, valid, run_dir: Path) -> None:
+    trainer_cfg = dataclasses.replace(
+        train_cfg.trainer,
+        lr=cfg.finetune_lr,
+        warmup_steps=max(1, cfg.finetune_steps // 10),
+        max_steps=cfg.finetune_steps,
+        max_minutes=0,
+        max_epochs=0,
+        eval_every=cfg.finetune_steps,
+        keep_last=0,
+        attention_images=False,
+        resume=None,
+        overwrite=True,
+    )
+    run_cfg = dataclasses.replace(train_cfg, trainer=trainer_cfg, model=model.cfg)
+    trainer = Trainer(run_cfg, run_dir, model, tokenizer, train, valid)
+    trainer.fit()
+    trainer.monitor.close()
+
+
+def main(argv: list[str]) -> None:
+    setup_logging()
+    with exit_on_user_error():
+        cfg = parse_args(argv, ConvertConfig, __doc__)
+        device = pick_device(cfg.device)
+        model, tokenizer, payload = checkpoint.load_model(Path(cfg.checkpoint), device)
+        train_cfg = to_config(OmegaConf.create(payload["train_config"]))
+        try:
+            converted_model_check = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        suffix = f"_gqa{cfg.n_kv_heads}" + ("_ft" if cfg.finetune_steps else "")
+        output = Path(cfg.output) if cfg.output else Path(cfg.checkpoint).with_name(Path(cfg.checkpoint).stem + suffix + ".pt")  # fmt: skip
+        if output.resolve() == Path(cfg.checkpoint).resolve():
+            raise ConfigError(f"output={output} is the input checkpoint; choose another path")
+
+        results: dict = {"checkpoint": cfg.checkpoint, "n_heads": model.cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
+        results["kv_cache_bytes_before"] = kv_cache_bytes_per_token(model.cfg)
+        results["kv_cache_bytes_after"] = kv_cache_bytes_per_token(converted_model_check)
+        log.info("scoring the MHA model")
+        results["bleu_before"] = bleu_scores(model, tokenizer, train_cfg, cfg, device)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            _, train, valid = prepare_data(train_cfg, Path(tmp), tokenizer)
+        calibration = calibration_batches(train, tokenizer, cfg.calibration, device) if cfg.align else None
+        started = time.monotonic()
+        try:
+            converted = convert_to_gqa(model, cfg.n_kv_heads, calibration)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        results["convert_seconds"] = round(time.monotonic() - started, 2)
+        log.info("converted to %d key/value heads in %.1fs; scoring", cfg.n_kv_heads, results["convert_seconds"])
+        results["bleu_converted"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
+
+        if cfg.finetune_steps:
+            run_dir = output.with_suffix("")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            started = time.monotonic()
+            finetune(converted, tokenizer, train_cfg, cfg, train, valid, run_dir)
+            results["finetune_steps"] = cfg.finetune_steps
+            results["finetune_minutes"] = round((time.monotonic() - started) / 60, 2)
+            results["bleu_finetuned"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
+
+        checkpoint.save(output, converted, tokenizer, train_config=payload["train_config"], step=payload["step"], converted_from=cfg.checkpoint)  # fmt: skip
+        results_path = Path(cfg.results) if cfg.results else output.with_suffix(".json")
+        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(results, indent=2))
+        print(f"wrote {output} and {results_path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
