@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
 import time
@@ -100,9 +101,12 @@ def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer,
             label = decode_cfg.label
             hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
             write_lines(run_dir / f"{split}.{label}.{cfg.data.tgt_lang}", hyps)
-            scores = score(hyps, corpus.tgt_text)
+            scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
             report(scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}"))
-            results[f"{split}/{label}"] = dataclasses.asdict(scores)
+            results[f"{split}/{label}"] = dataclasses.asdict(scores) | {
+                "bleu_lc": lowercased.bleu,
+                "bleu_lc_signature": lowercased.bleu_signature,
+            }
         if split == cfg.data.test_splits[0]:
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
                 report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
@@ -144,6 +148,19 @@ def run(cfg, run_dir: Path) -> dict:
         f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
     )
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device)
+    summary = {
+        "parameters": count_parameters(model),
+        "steps": state.step,
+        "epochs": state.epoch - 1 + state.batch_in_epoch / max(len(trainer.epoch_batches(state.epoch)), 1),
+        "train_minutes": state.train_seconds / 60,
+        "valid_minutes": state.valid_seconds / 60,
+        "tokens_per_s": state.train_tokens / step_seconds,
+        "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
+        "best_step": best["step"],
+        "valid_best": state.best_score,
+        "test": results,
+    }
+    (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": state.best_score}
     trainer.monitor.hparams(to_plain(cfg), metrics)
     trainer.monitor.close()

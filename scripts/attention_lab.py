@@ -1,0 +1,192 @@
+"""Compare the attention variants on Multi30k at the same training wall-clock budget and write
+the table of docs/ATTENTION.md.
+
+    python scripts/attention_lab.py minutes=10                 # train what is missing, then report
+    python scripts/attention_lab.py minutes=10 only=[mha,moh]  # a subset
+    python scripts/attention_lab.py report_only=true           # rewrite the table from finished runs
+
+Each variant is one `train.py` run (the default experiment, multi30k_de_en, with the overrides
+below and trainer.max_minutes=minutes) in out/<variant>; a finished run (results.json present)
+is reused. Then, for each run: beam-5 decoding speed on test_2016_flickr, the key/value cache
+per generated token, and, from the MHA run, MHA -> GQA conversions (scripts/convert_to_gqa.py).
+Hyper-parameters are those of the default recipe, chosen on the validation split; the test
+split is only scored.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from transformer.checkpoint import load_model
+from transformer.cli import parse_args
+from transformer.config import exit_on_user_error
+from transformer.data import DataConfig, load_split
+from transformer.decoding import DecodeConfig, translate
+from transformer.gqa import kv_cache_bytes_per_token
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "mha": ("standard multi-head attention", []),
+    "gqa2": ("grouped-query, 2 key/value heads", ["model.n_kv_heads=2"]),
+    "mqa": ("multi-query, 1 key/value head", ["model.n_kv_heads=1"]),
+    "moh": ("MoH: 1 shared + top-2 of 3 routed heads", ["model/attention=moh"]),
+    "dcmha": ("DCMHA, rank 2", ["model/attention=dcmha"]),
+    "overlap": ("overlapping heads, 16 features each side", ["model/attention=overlap"]),
+    "modern": (
+        "RoPE + RMSNorm + SwiGLU, pre-norm",
+        ["model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.norm_first=true"],
+    ),
+}
+CONVERSIONS = {  # name: (n_kv_heads, align, fine-tuning steps)
+    "mha_to_gqa2_mean": (2, False, 0),
+    "mha_to_gqa2_aligned": (2, True, 0),
+    "mha_to_gqa2_aligned_ft": (2, True, 300),
+    "mha_to_mqa_aligned_ft": (1, True, 300),
+}
+START, END = "<!-- attention-lab:start -->", "<!-- attention-lab:end -->"
+
+
+@dataclass
+class LabConfig:
+    minutes: float = 10.0
+    only: list[str] = field(default_factory=list)
+    out: str = "outputs/attention_lab"
+    doc: str = "docs/ATTENTION.md"
+    speed_sentences: int = 500
+    conversions: bool = True
+    report_only: bool = False
+
+
+def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
+    run_dir = out / name
+    if (run_dir / "results.json").is_file():
+        print(f"{name}: reusing {run_dir}")
+        return
+    command = [sys.executable, "train.py", f"trainer.max_minutes={cfg.minutes}", f"hydra.run.dir={run_dir}", "trainer.overwrite=true", *overrides]  # fmt: skip
+    print(f"{name}: {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+def decode_speed(run_dir: Path, n: int) -> float:
+    """Beam-5 sentences per second on the first n test_2016_flickr sources (batch of 64 by default)."""
+    model, tokenizer, payload = load_model(run_dir / "checkpoint_best.pt")
+    data = payload["train_config"]["data"]
+    split = load_split(DataConfig(dir=data["dir"], src_lang=data["src_lang"], tgt_lang=data["tgt_lang"]), "test_2016_flickr")  # fmt: skip
+    sources = list(split["src"])[:n]
+    started = time.perf_counter()
+    translate(model, sources, tokenizer, DecodeConfig(strategy="beam", beam_size=5), torch.device("cpu"))
+    return len(sources) / (time.perf_counter() - started)
+
+
+def convert(name: str, spec: tuple, out: Path) -> None:
+    k, align, steps = spec
+    output = out / "conversions" / f"{name}.pt"
+    if output.with_suffix(".json").is_file():
+        print(f"{name}: reusing {output}")
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "scripts/convert_to_gqa.py", f"checkpoint={out / 'mha' / 'checkpoint_best.pt'}", f"n_kv_heads={k}", f"align={str(align).lower()}", f"finetune_steps={steps}", f"output={output}"]  # fmt: skip
+    print(f"{name}: {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, cwd=ROOT, check=True)
+
+
+def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
+    results = json.loads((run_dir / "results.json").read_text())
+    model, _, _ = load_model(run_dir / "checkpoint_best.pt")
+    beam = results["test"]["test_2016_flickr/beam5"]
+    return {
+        "variant": name,
+        "description": VARIANTS[name][0],
+        "parameters": results["parameters"],
+        "tokens_per_s": results["tokens_per_s"],
+        "steps": results["steps"],
+        "train_minutes": results["train_minutes"],
+        "valid_bleu": results["valid_best"],
+        "test_bleu": beam["bleu"],
+        "signature": beam["bleu_signature"],
+        "beam5_sentences_per_s": speed,
+        "kv_bytes_per_token": kv_cache_bytes_per_token(model.cfg)["self_per_target_token"],
+    }
+
+
+def markdown(rows: list[dict], conversions: dict[str, dict]) -> str:
+    minutes = max((r["train_minutes"] for r in rows), default=0.0)
+    lines = [
+        f"Multi30k de-en, {minutes:.0f} minutes of training each on the same 2-core CPU, model/small otherwise; "
+        "validation BLEU: greedy, best checkpoint; test: test_2016_flickr, beam 5, sacreBLEU "
+        f"`{rows[0]['signature'] if rows else ''}`; KV cache: decoder self-attention keys and values per "
+        "generated token, fp32.",
+        "",
+        "| variant | parameters | train tok/s | steps | valid BLEU | test BLEU | beam-5 sent/s | KV bytes/token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']}: {r['description']} | {r['parameters']:,} | {r['tokens_per_s']:,.0f} | {r['steps']:,} "
+            f"| {r['valid_bleu']:.2f} | {r['test_bleu']:.2f} | {r['beam5_sentences_per_s']:.1f} | {r['kv_bytes_per_token']:,} |"
+        )
+    if conversions:
+        lines += [
+            "",
+            "MHA -> GQA conversion of the `mha` run's best checkpoint (scripts/convert_to_gqa.py), BLEU with beam 5:",
+            "",
+            "| conversion | KV bytes/token | valid before | valid after | valid fine-tuned | test before | test after | test fine-tuned |",  # fmt: skip
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, c in conversions.items():
+            ft = c.get("bleu_finetuned", {})
+            steps = f", {c['finetune_steps']} steps" if c.get("finetune_steps") else ""
+            lines.append(
+                f"| {name}{steps} | {c['kv_cache_bytes_after']['self_per_target_token']:,} "
+                f"| {c['bleu_before']['val']:.2f} | {c['bleu_converted']['val']:.2f} | {ft.get('val', float('nan')):.2f} "
+                f"| {c['bleu_before']['test_2016_flickr']:.2f} | {c['bleu_converted']['test_2016_flickr']:.2f} "
+                f"| {ft.get('test_2016_flickr', float('nan')):.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, LabConfig, __doc__)
+    out = ROOT / cfg.out
+    names = cfg.only or list(VARIANTS)
+    if not cfg.report_only:
+        for name in names:
+            train(name, VARIANTS[name][1], cfg, out)
+        if cfg.conversions and "mha" in names:
+            for name, spec in CONVERSIONS.items():
+                convert(name, spec, out)
+    rows = []
+    for name in names:
+        run_dir = out / name
+        if not (run_dir / "results.json").is_file():
+            continue
+        speed_file = run_dir / "decode_speed.json"
+        if not speed_file.is_file():
+            speed_file.write_text(json.dumps({"beam5_sentences_per_s": decode_speed(run_dir, cfg.speed_sentences)}))
+        rows.append(row_of_run(name, run_dir, json.loads(speed_file.read_text())["beam5_sentences_per_s"]))
+    conversions = {}
+    for name in CONVERSIONS:
+        path = out / "conversions" / f"{name}.json"
+        if path.is_file():
+            conversions[name] = json.loads(path.read_text())
+    table = markdown(rows, conversions)
+    (out / "summary.json").write_text(json.dumps({"rows": rows, "conversions": conversions}, indent=2) + "\n")
+    doc = ROOT / cfg.doc
+    text = doc.read_text()
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        doc.write_text(head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+    print(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
