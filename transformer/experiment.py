@@ -6,14 +6,17 @@ import dataclasses
 import json
 import logging
 import random
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .checkpoint import CheckpointError
+from .config import USER_ERRORS
 from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize, write_lines
 from .decoding import translate_corpus
 from .evaluation import score
@@ -53,13 +56,16 @@ def build_model(cfg, tokenizer: Tokenizer, device: torch.device) -> Transformer:
     return model
 
 
-def prepare_data(cfg, run_dir: Path, tokenizer: Tokenizer | None) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
-    """Training and validation splits as token ids; the tokenizer is trained unless given."""
+def prepare_data(
+    cfg, run_dir: Path, tokenizer: Tokenizer | None, save: bool = True
+) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+    """Training and validation splits as token ids; the tokenizer is trained unless given.
+    save=False leaves run_dir/spm.model alone (ranks other than 0)."""
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
     valid_ds = load_split(cfg.data, cfg.data.valid_split)
     if tokenizer is None:
         tokenizer = train_tokenizer(cfg, run_dir, train_ds)
-    else:
+    elif save:
         tokenizer.save(run_dir / "spm.model")
     train = filter_long(tokenize(train_ds, tokenizer), cfg.data.max_len)
     log.info(
@@ -80,7 +86,7 @@ def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     path = resume_path(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
     if path is None:
         return None
-    payload = checkpoint.load(path)
+    payload = checkpoint.load(path) | {"path": str(path)}
     if "train_state" not in payload:
         raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot be resumed")
     check_compatible(path, payload["train_config"], to_plain(cfg), explicit=bool(cfg.trainer.resume))
@@ -118,25 +124,79 @@ def report(message: str) -> None:
     log.info(message)
 
 
+def join_world(cfg, run_dir: Path) -> tuple[distributed.World, torch.device, Path]:
+    """Start data parallelism when launched by torchrun. Every rank takes rank 0's run directory
+    (Hydra names one per process from the clock) and ranks other than 0 log warnings only."""
+    device = pick_device(cfg.trainer.device)
+    world = distributed.start(device)
+    if not world.distributed:
+        return world, device, run_dir
+    main_dir = Path(world.broadcast(str(run_dir)))
+    if not world.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+        if main_dir.resolve() != run_dir.resolve():
+            remove_hydra_only_dir(run_dir)
+    return world, world.device(device), main_dir
+
+
+def remove_hydra_only_dir(run_dir: Path) -> None:
+    """The directory Hydra made for a rank other than 0, if it holds nothing but Hydra's files."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def run(cfg, run_dir: Path) -> dict:
-    """Train (or resume), then evaluate the best checkpoint on the test splits. Returns the test scores."""
-    run_dir = Path(run_dir)
+    """Train (or resume), then evaluate the best checkpoint on the test splits. Returns the test
+    scores (on rank 0; other ranks of a distributed run return an empty dict after training)."""
+    world, device, run_dir = join_world(cfg, Path(run_dir))
+    try:
+        return run_in_world(cfg, run_dir, world, device)
+    finally:
+        distributed.stop(world)
+
+
+def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.device) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     if cfg.trainer.deterministic:
         make_deterministic()
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    device = pick_device(cfg.trainer.device)
-    log.info("run directory %s, device %s, autocast %s", run_dir, device, autocast_dtype(cfg.trainer.precision, device))
-    resumed = checkpoint_to_resume(cfg, run_dir)
-    saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else None
-    tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
+    log.info(
+        "run directory %s, device %s, autocast %s%s",
+        run_dir,
+        device,
+        autocast_dtype(cfg.trainer.precision, device),
+        f", {world.size} processes" if world.distributed else "",
+    )
+    # Rank 0 alone clears the directory, checks what to resume and trains the tokenizer; the
+    # others then read what it decided (and stop quietly if it refused the run).
+    resumed, failure = None, None
+    if world.is_main:
+        try:
+            resumed = checkpoint_to_resume(cfg, run_dir)
+            saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else None
+            tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
+        except USER_ERRORS as e:
+            failure = e
+    failed, resume_file = world.broadcast((failure is not None, resumed["path"] if resumed else None))
+    if failure:
+        raise failure
+    if failed:
+        sys.exit(2)  # rank 0 has printed the error
+    if not world.is_main:
+        resumed = checkpoint.load(resume_file) if resume_file else None
+        tokenizer, train, valid = prepare_data(cfg, run_dir, Tokenizer.load(run_dir / "spm.model"), save=False)
     model = build_model(cfg, tokenizer, device)
-    trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid)
+    trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:
         trainer.restore(resumed)
+    if world.rank:  # different dropout on each rank; rank 0 draws exactly as a single process would
+        torch.manual_seed(cfg.seed + 1000 * world.rank + trainer.state.step)
     trainer.fit()
+    world.barrier()
+    if not world.is_main:
+        return {}
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
     state = trainer.state

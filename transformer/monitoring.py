@@ -46,12 +46,14 @@ class Monitor:
     """One SummaryWriter per run (written by the process that trains; rank 0 when distributed)."""
 
     def __init__(self, run_dir: Path, enabled: bool = True):
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.enabled = Path(run_dir), enabled
         self.writer = SummaryWriter(str(self.run_dir / "tensorboard")) if enabled else None
         self.bar = None
 
     def record(self, record: dict) -> None:
         """One JSON object per line in metrics.jsonl: the run's numbers, for plots and checks."""
+        if not self.enabled:
+            return
         with open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

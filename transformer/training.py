@@ -3,8 +3,10 @@ periodic validation (loss and greedy BLEU), last/best checkpoints and early stop
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch import Tensor
 from . import checkpoint
 from .data import Batch, TokenizedCorpus, collate, token_batches
 from .decoding import translate_ids
+from .distributed import World
 from .errors import TrainingStopped
 from .evaluation import score
 from .model import Transformer
@@ -132,11 +135,30 @@ class TrainState:
 
 class Trainer:
     def __init__(
-        self, cfg, run_dir: Path, model: Transformer, tokenizer, train: TokenizedCorpus, valid: TokenizedCorpus
+        self,
+        cfg,
+        run_dir: Path,
+        model: Transformer,
+        tokenizer,
+        train: TokenizedCorpus,
+        valid: TokenizedCorpus,
+        world: World | None = None,
     ):
-        self.cfg, self.tcfg, self.run_dir = cfg, cfg.trainer, Path(run_dir)
+        """With a distributed `world` (torchrun), the model is wrapped for data parallelism and
+        only rank 0 validates, logs and saves; see distributed.py."""
+        world = world or World()
+        self.cfg, self.tcfg, self.run_dir, self.world = cfg, cfg.trainer, Path(run_dir), world
         self.device = next(model.parameters()).device
         self.model, self.tokenizer, self.train_data, self.valid_data = model, tokenizer, train, valid
+        self.forward_model = model  # what training calls: the model, or its DistributedDataParallel wrapper
+        if world.distributed:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.forward_model = DistributedDataParallel(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=model.cfg.attention.kind != "standard",  # e.g. MoH heads nobody chose
+            )
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         self.optimizer = torch.optim.Adam(
             model.parameters(),
@@ -148,7 +170,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.lengths = train.lengths()
-        self.monitor = Monitor(run_dir)
+        self.monitor = Monitor(run_dir, enabled=world.is_main)
+        self.step_tokens = torch.zeros(())  # source + target tokens of the last step, over all ranks
         self.grad_norm = torch.zeros(())
         self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
 
@@ -159,10 +182,19 @@ class Trainer:
         rng = np.random.default_rng([self.cfg.seed, epoch])
         return token_batches(self.lengths, self.cfg.data.max_tokens, rng)
 
+    def rank_batches(self, epoch: int) -> list[np.ndarray]:
+        """This process's share of the epoch: every world_size-th batch, from its rank on (the
+        last few batches are dropped so every rank takes as many)."""
+        batches = self.epoch_batches(epoch)
+        if not self.world.distributed:
+            return batches
+        usable = len(batches) // self.world.size * self.world.size
+        return batches[self.world.rank : usable : self.world.size]
+
     def batch_stream(self):
         """Yields batches forever, tracking the epoch and the position inside it."""
         while True:
-            batches = self.epoch_batches(self.state.epoch)
+            batches = self.rank_batches(self.state.epoch)
             while self.state.batch_in_epoch < len(batches):
                 indices = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
@@ -178,19 +210,17 @@ class Trainer:
         Returns the mean loss per target token, or None when the update was skipped because the
         loss or the gradients were not finite."""
         self.model.train()
-        n_tokens = sum(b.n_tgt_tokens for b in batches)
+        counts = torch.tensor(
+            [sum(b.n_tgt_tokens for b in batches), sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)],
+            dtype=torch.float,
+            device=self.device,
+        )
+        n_tokens, self.step_tokens = self.world.sum(counts).unbind()  # over all ranks
         total = torch.zeros((), device=self.device)
-        for batch in batches:
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                logits = self.model(batch.src, batch.tgt_in)
-            loss, _ = label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
-            objective = loss / n_tokens
-            aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
-            if aux is not None:
-                objective = objective + aux / len(batches)
-                self.aux_loss = self.aux_loss + aux.detach() / len(batches)
-            self.scaler.scale(objective).backward()
-            total += loss.detach()
+        for i, batch in enumerate(batches):
+            with self.synchronizing_gradients(last=i == len(batches) - 1):
+                total += self.backward(batch, n_tokens, len(batches))
+        self.world.sum(total)  # every rank sees the same loss, so all agree on skipping a step
         self.scaler.unscale_(self.optimizer)
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm or math.inf)
         # fp16's gradient scaler skips overflowing steps itself; only a non-finite loss is bad there.
@@ -206,6 +236,29 @@ class Trainer:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return total / n_tokens
+
+    def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
+        """Forward and backward of one batch; returns its summed label-smoothed loss.
+
+        The loss is divided by the step's target tokens over all ranks, and multiplied by the
+        world size because data parallelism averages gradients over ranks: the update is that
+        of one process over all the ranks' batches."""
+        with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            logits = self.forward_model(batch.src, batch.tgt_in)
+        loss, _ = label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
+        objective = loss * self.world.size / n_tokens
+        aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
+        if aux is not None:
+            objective = objective + aux / n_batches
+            self.aux_loss = self.aux_loss + aux.detach() / n_batches
+        self.scaler.scale(objective).backward()
+        return loss.detach()
+
+    def synchronizing_gradients(self, last: bool):
+        """Data parallelism exchanges gradients once per update: on the last accumulated batch."""
+        if self.world.distributed and not last:
+            return self.forward_model.no_sync()
+        return contextlib.nullcontext()
 
     def skip_bad_step(self) -> None:
         """Count a skipped update; give up after trainer.max_bad_steps in a row."""
@@ -330,9 +383,9 @@ class Trainer:
     def fit(self) -> None:
         started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
         stream, window = self.batch_stream(), Throughput()
-        reason = self.stop_reason(started)
+        reason, interrupted = self.stop_reason(started), False
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
-            while reason is None and not stop.requested:
+            while reason is None and not interrupted:
                 batches = [next(stream) for _ in range(self.tcfg.accumulate)]
                 loss = self.train_step(batches)
                 if loss is None:
@@ -340,32 +393,62 @@ class Trainer:
                     continue
                 self.state.bad_steps = 0
                 bar.update(1)
-                window.add(batches, loss)
-                self.state.train_tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+                tokens = sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+                if self.world.distributed:
+                    tokens = int(self.step_tokens)  # every rank's
+                window.add(batches, loss, tokens)
+                self.state.train_tokens += tokens
                 if self.state.step % self.tcfg.log_every == 0:
                     self.log_progress(window)
-                reason = self.stop_reason(started)
+                reason, interrupted = self.agree(self.stop_reason(started), stop.requested)
                 if self.state.step % self.tcfg.eval_every == 0 or reason is not None:
                     reason = self.validate_and_save(started) or reason
             self.state.train_seconds = time.monotonic() - started
-            if stop.requested:
-                self.save("checkpoint_last.pt")
+            if interrupted:
+                if self.world.is_main:
+                    self.save("checkpoint_last.pt")
+                self.world.barrier()
+                signum = stop.signum or signal.SIGTERM  # a rank without the signal stops with the others
                 raise TrainingStopped(
-                    f"interrupted by signal {stop.signum} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}. "
+                    f"interrupted by signal {int(signum)} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}. "
                     f"Resume with: python train.py <same overrides> hydra.run.dir={self.run_dir}",
-                    exit_code=128 + stop.signum,
+                    exit_code=128 + int(signum),
                 )
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
+        if self.world.distributed:
+            self.check_ranks_agree()
+
+    def check_ranks_agree(self) -> None:
+        """Data parallelism must leave every rank with the same weights; compare fingerprints."""
+        with torch.no_grad():
+            fingerprint = torch.stack([p.double().sum() for p in self.model.parameters()])
+            gathered = [torch.empty_like(fingerprint) for _ in range(self.world.size)]
+            torch.distributed.all_gather(gathered, fingerprint)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise TrainingStopped(f"the weights of the {self.world.size} processes diverged", exit_code=3)
+        log.info("all %d processes hold identical weights", self.world.size)
+
+    def agree(self, reason: str | None, interrupted: bool) -> tuple[str | None, bool]:
+        """Ranks stop together: when one reaches its budget or gets a signal, all do."""
+        if not self.world.distributed:
+            return reason, interrupted
+        flags = self.world.sum(torch.tensor([float(reason is not None), float(interrupted)], device=self.device))
+        if flags[0] > 0 and reason is None:
+            reason = "another rank reached its budget"
+        return reason, bool(flags[1] > 0)
 
     def validate_and_save(self, started: float) -> str | None:
-        """Validate, save checkpoints; returns a stop reason when early stopping says so."""
+        """Validate, save checkpoints; returns a stop reason when early stopping says so.
+        Distributed, rank 0 does this alone and tells the others its decision."""
         self.state.train_seconds = time.monotonic() - started
-        valid_started = time.monotonic()
-        value = self.validate()
-        self.state.valid_seconds += time.monotonic() - valid_started
-        if self.after_validation(value):
-            return f"no better validation score in trainer.patience={self.tcfg.patience} validations"
-        return None
+        reason = None
+        if self.world.is_main:
+            valid_started = time.monotonic()
+            value = self.validate()
+            self.state.valid_seconds += time.monotonic() - valid_started
+            if self.after_validation(value):
+                reason = f"no better validation score in trainer.patience={self.tcfg.patience} validations"
+        return self.world.broadcast(reason)
 
     def log_progress(self, window: Throughput) -> None:
         steps = window.steps
@@ -393,8 +476,9 @@ class Throughput:
     def __init__(self):
         self.start, self.tokens, self.padded, self.loss, self.steps = time.monotonic(), 0, 0, 0.0, 0
 
-    def add(self, batches: list[Batch], loss: Tensor) -> None:
-        self.tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
+    def add(self, batches: list[Batch], loss: Tensor, tokens: int) -> None:
+        """tokens: the step's non-padding source + target tokens (over all ranks when distributed)."""
+        self.tokens += tokens
         self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
         self.loss = self.loss + loss.detach()
         self.steps += 1

@@ -1,0 +1,58 @@
+"""Data-parallel training with torchrun: two CPU processes (gloo) make the same updates as one
+process accumulating their two batches, and end with identical weights."""
+
+import json
+import socket
+
+import pytest
+import torch
+
+from transformer import checkpoint
+
+from .test_cli import run
+
+COMMON = [
+    "experiment=smoke",
+    "data.vocab_size=300",
+    "data.max_tokens=256",  # many small batches, so 6 steps stay inside the first epoch
+    "data.test_splits=[]",
+    "model.dropout=0.0",
+    "trainer.max_steps=6",
+    "trainer.eval_every=6",
+    "trainer.log_every=1",
+    "trainer.threads=1",
+    "trainer.precision=fp32",
+    "trainer.attention_images=false",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses(run_dir) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+def test_two_processes_equal_one_process_accumulating_their_batches(shared_corpus, tmp_path):
+    single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
+    single = run(
+        "train.py", *COMMON, f"data.dir={shared_corpus}", "trainer.accumulate=2", f"hydra.run.dir={single_dir}"
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1"]  # fmt: skip
+    ddp = run(*launcher, "train.py", *COMMON, f"data.dir={shared_corpus}", f"hydra.run.dir={ddp_dir}")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "all 2 processes hold identical weights" in ddp.stdout + ddp.stderr
+    assert "2 processes" in (ddp_dir / "train.log").read_text()
+
+    assert len(losses(ddp_dir)) == 6  # rank 0 alone writes the log of numbers
+    torch.testing.assert_close(torch.tensor(losses(ddp_dir)), torch.tensor(losses(single_dir)), rtol=1e-4, atol=1e-5)
+    a = checkpoint.load(single_dir / "checkpoint_last.pt")["model"]
+    b = checkpoint.load(ddp_dir / "checkpoint_last.pt")["model"]
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)

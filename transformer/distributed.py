@@ -1,0 +1,83 @@
+"""Data-parallel training across processes, started by torchrun.
+
+    torchrun --nproc_per_node=4 train.py ...                       # one machine, 4 processes
+    torchrun --nnodes=2 --node_rank=R --rdzv_backend=c10d \\
+             --rdzv_endpoint=HOST:29500 --nproc_per_node=8 train.py ...   # two machines
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; without them (plain `python train.py`) training
+runs in one process and nothing here does anything. The backend is NCCL with one GPU per process,
+gloo on CPU. Every rank builds the same epoch of batches from the seed and takes every
+world_size-th one; gradients are summed across ranks and divided by the global number of target
+tokens, so a step equals one single-process step over the union of the ranks' batches (the same
+as trainer.accumulate=world_size). Rank 0 alone logs, validates, writes checkpoints and
+evaluates; the others wait for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def device(self, device: torch.device) -> torch.device:
+        """One GPU per process on a machine; CPU stays CPU."""
+        if device.type == "cuda" and self.distributed:
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return device
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks, in place; returns it."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast(self, value):
+        """Rank 0's value of a picklable object, on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def start(device: torch.device) -> World:
+    """Join the process group torchrun set up (if any)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return World()
+    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(world.local_rank)
+        # Validation and test decoding run on rank 0 while the others wait: allow them time.
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
+    return world
+
+
+def stop(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
