@@ -75,10 +75,10 @@ def bleu_scores(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, device)
 def calibration_batches(train, tokenizer, n: int, device) -> list:
     """About n training pairs, as (src, tgt_in) batches."""
     rows = torch.randperm(len(train), generator=torch.Generator().manual_seed(0))[:n].numpy()
-    subset = dataclasses.replace(train, src=[train.src[i] for i in rows], tgt=[train.tgt[i] for i in rows])
+    lengths = train.lengths()[rows]
     batches = []
-    for indices in token_batches(subset.lengths(), 4096):
-        batch = collate(subset, indices, tokenizer).to(device)
+    for positions in token_batches(lengths, 4096):
+        batch = collate(train, rows[positions], tokenizer).to(device)
         batches.append((batch.src, batch.tgt_in))
     return batches
 

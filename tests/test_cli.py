@@ -259,3 +259,11 @@ def test_train_with_mixture_of_head_attention_logs_its_balance_loss(tmp_path, sh
     balance = [r["balance_loss"] for r in records if "balance_loss" in r]
     assert balance and all(b >= 0.01 for b in balance)  # beta * (>= 1 per module)
     assert any("train_minutes" in r for r in records)
+
+
+def test_train_streaming_from_memory_mapped_arrow_files(tmp_path, shared_corpus):
+    run_dir = tmp_path / "streamed"
+    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300", "data.streaming=true", "trainer.max_steps=10", "trainer.eval_every=10")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "400 training pairs" in (run_dir / "train.log").read_text()
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 10

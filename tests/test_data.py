@@ -70,3 +70,49 @@ def test_token_batches_are_a_function_of_the_seed():
     other = token_batches(lengths, 256, np.random.default_rng([1, 2]))
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+
+
+def generated_corpus(directory, n: int, seed: int = 0) -> None:
+    """n random sentence pairs of varied length over a small vocabulary (the 'translation' of
+    each word is the word in upper case), with a few empty and whitespace-only lines."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(300)]
+    src, tgt = [], []
+    for _ in range(n):
+        sentence = list(rng.choice(words, size=int(rng.integers(1, 40))))
+        src.append(" ".join(sentence))
+        tgt.append(" ".join(w.upper() for w in reversed(sentence)))
+    src[7], tgt[11] = "", "   "
+    write_corpus(directory, "train", {"de": src, "en": tgt})
+
+
+def test_streaming_gives_the_same_batches_as_in_memory_reading(tmp_path, monkeypatch):
+    """data.streaming=true reads a generated corpus through memory-mapped Arrow files; the pairs
+    kept, their lengths and every batch equal those of in-memory reading."""
+    from transformer.data import MappedCorpus, collate, filter_long, tokenize, tokenize_mapped, training_text
+    from transformer.tokenizer import Tokenizer
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    generated_corpus(tmp_path / "gen", 3000)
+    in_memory = clean_training_pairs(load_split(DataConfig(dir=str(tmp_path / "gen")), "train"), "train")
+    mapped = clean_training_pairs(load_split(DataConfig(dir=str(tmp_path / "gen"), streaming=True), "train"), "train")
+    assert len(in_memory) == len(mapped) == 2998
+    assert mapped.cache_files, "the streamed split must live in Arrow files, not in memory"
+
+    tokenizer = Tokenizer.train(training_text(mapped), vocab_size=250, model_type="unigram", sample=2000)
+    a, b = filter_long(tokenize(in_memory, tokenizer), 30), filter_long(tokenize_mapped(mapped, tokenizer), 30)
+    assert isinstance(b, MappedCorpus) and len(a) == len(b) < 2998
+    np.testing.assert_array_equal(a.lengths(), b.lengths())
+    for indices in token_batches(a.lengths(), 512, np.random.default_rng(0))[:20]:
+        x, y = collate(a, indices, tokenizer), collate(b, indices, tokenizer)
+        assert x.src.equal(y.src) and x.tgt_out.equal(y.tgt_out) and x.n_tgt_tokens == y.n_tgt_tokens
+
+
+def test_streaming_reports_the_line_that_is_not_utf8(tmp_path, monkeypatch):
+    import gzip
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    write_corpus(tmp_path, "train", {"en": ["a", "b", "c"]})
+    (tmp_path / "train.de.gz").write_bytes(gzip.compress(b"a\nb\n\xff\xfe\n"))
+    with pytest.raises(DataError, match=r"train\.de\.gz:3: line is not valid UTF-8"):
+        load_split(DataConfig(dir=str(tmp_path), streaming=True), "train")

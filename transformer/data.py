@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -39,6 +40,8 @@ class DataConfig:
     spm_model_type: str = "unigram"  # or "bpe", "char", "word"
     max_tokens: int = 4096  # padded tokens per batch and side
     max_len: int = 256  # training pairs with a longer side (in tokens) are dropped
+    streaming: bool = False  # keep the training split in memory-mapped Arrow files, for corpora larger than memory
+    spm_sample: int = 2_000_000  # sentences sampled to train SentencePiece (all, when fewer)
 
 
 # --- Reading ------------------------------------------------------------------------------------
@@ -89,8 +92,38 @@ def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     if cfg.hub_name:
         return _load_hub_split(cfg, split)
     directory = Path(cfg.dir)
-    src, tgt = read_parallel(corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang))
+    src_path, tgt_path = corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang)
+    if cfg.streaming and split == cfg.train_split:
+        return load_mapped(src_path, tgt_path)
+    src, tgt = read_parallel(src_path, tgt_path)
     return datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+
+
+def load_mapped(src_path: Path, tgt_path: Path) -> datasets.Dataset:
+    """Two aligned files as a Dataset backed by memory-mapped Arrow files in the datasets cache
+    (built once, in a streaming pass): rows are read from disk when used, not held in memory."""
+    sides = []
+    for path, name in ((src_path, "src"), (tgt_path, "tgt")):
+        try:
+            ds = datasets.load_dataset("text", data_files=str(path), split="train")
+        except datasets.exceptions.DatasetGenerationError as e:
+            if isinstance(e.__cause__, UnicodeDecodeError):
+                raise DataError(f"{path}:{first_bad_utf8_line(path)}: line is not valid UTF-8") from None
+            raise DataError(f"cannot read {path}: {e.__cause__ or e}") from None
+        sides.append(ds.rename_column("text", name))
+    if len(sides[0]) != len(sides[1]):
+        raise DataError(f"line counts differ: {src_path} has {len(sides[0])} lines, {tgt_path} has {len(sides[1])}")
+    return datasets.concatenate_datasets(sides, axis=1)
+
+
+def first_bad_utf8_line(path: Path) -> int:
+    """The 1-based number of the first line that is not UTF-8, read line by line."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not _is_utf8(line):
+                return number
+    return 0
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
@@ -142,6 +175,46 @@ class TokenizedCorpus:
         """Padded length of each pair in a batch: the longer side plus its BOS/EOS."""
         return np.array([max(len(s), len(t)) + 1 for s, t in zip(self.src, self.tgt)], dtype=np.int64)
 
+    def pairs(self, indices) -> tuple[list[list[int]], list[list[int]]]:
+        """The source and target ids of the pairs at `indices`."""
+        return [self.src[i] for i in indices], [self.tgt[i] for i in indices]
+
+
+class MappedCorpus:
+    """Token ids of a training split in memory-mapped Arrow files (data.streaming=true): the
+    lengths live in memory (one integer per pair), the ids are read a batch at a time."""
+
+    def __init__(self, ds: datasets.Dataset):
+        self.ds = ds  # columns src_ids, tgt_ids, length
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def lengths(self) -> np.ndarray:
+        return self.ds.select_columns(["length"]).with_format("numpy")[:]["length"].astype(np.int64)
+
+    def pairs(self, indices) -> tuple[list[list[int]], list[list[int]]]:
+        rows = self.ds[[int(i) for i in indices]]
+        return rows["src_ids"], rows["tgt_ids"]
+
+
+def tokenize_mapped(ds: datasets.Dataset, tokenizer) -> MappedCorpus:
+    """Tokenize an Arrow-backed split into new Arrow files (text stripped, as read_lines does)."""
+
+    def encode(batch):
+        src = tokenizer.encode([t.strip() for t in batch["src"]])
+        tgt = tokenizer.encode([t.strip() for t in batch["tgt"]])
+        return {"src_ids": src, "tgt_ids": tgt, "length": [max(len(s), len(t)) + 1 for s, t in zip(src, tgt)]}
+
+    return MappedCorpus(ds.map(encode, batched=True, batch_size=10_000, remove_columns=ds.column_names))
+
+
+def training_text(ds: datasets.Dataset) -> Iterable[str]:
+    """Both sides of a split, batch by batch, for SentencePiece (which samples data.spm_sample)."""
+    for batch in ds.iter(batch_size=10_000):
+        yield from (t.strip() for t in batch["src"])
+        yield from (t.strip() for t in batch["tgt"])
+
 
 def tokenize(ds: datasets.Dataset, tokenizer) -> TokenizedCorpus:
     ids = ds.map(
@@ -155,7 +228,12 @@ def tokenize(ds: datasets.Dataset, tokenizer) -> TokenizedCorpus:
 
 def clean_training_pairs(ds: datasets.Dataset, split_name: str) -> datasets.Dataset:
     """Drop pairs with an empty side and report how many; refuse an empty training set."""
-    kept = ds.filter(lambda ex: bool(ex["src"]) and bool(ex["tgt"]))
+    kept = ds.filter(
+        lambda src, tgt: [bool(s.strip()) and bool(t.strip()) for s, t in zip(src, tgt)],
+        input_columns=["src", "tgt"],
+        batched=True,
+        batch_size=10_000,
+    )
     if len(kept) < len(ds):
         log.info("dropped %d of %d %s pairs with an empty side", len(ds) - len(kept), len(ds), split_name)
     if len(kept) == 0:
@@ -163,7 +241,12 @@ def clean_training_pairs(ds: datasets.Dataset, split_name: str) -> datasets.Data
     return kept
 
 
-def filter_long(corpus: TokenizedCorpus, max_len: int) -> TokenizedCorpus:
+def filter_long(corpus: TokenizedCorpus | MappedCorpus, max_len: int) -> TokenizedCorpus | MappedCorpus:
+    if isinstance(corpus, MappedCorpus):
+        kept = MappedCorpus(corpus.ds.filter(lambda n: [x <= max_len for x in n], input_columns="length", batched=True))
+        if len(kept) < len(corpus):
+            log.info("dropped %d of %d training pairs longer than %d tokens", len(corpus) - len(kept), len(corpus), max_len)  # fmt: skip
+        return kept
     keep = [i for i, (s, t) in enumerate(zip(corpus.src, corpus.tgt)) if max(len(s), len(t)) + 1 <= max_len]
     if len(keep) < len(corpus):
         log.info("dropped %d of %d training pairs longer than %d tokens", len(corpus) - len(keep), len(corpus), max_len)
@@ -217,10 +300,11 @@ def pad(sequences: list[list[int]], pad_id: int) -> Tensor:
     return out
 
 
-def collate(corpus: TokenizedCorpus, indices: np.ndarray, tokenizer) -> Batch:
+def collate(corpus: TokenizedCorpus | MappedCorpus, indices: np.ndarray, tokenizer) -> Batch:
     bos, eos, pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
-    src = pad([corpus.src[i] + [eos] for i in indices], pad_id)
-    tgt_in = pad([[bos] + corpus.tgt[i] for i in indices], pad_id)
-    tgt_out = pad([corpus.tgt[i] + [eos] for i in indices], pad_id)
-    n_src, n_tgt = sum(len(corpus.src[i]) + 1 for i in indices), sum(len(corpus.tgt[i]) + 1 for i in indices)
+    sources, targets = corpus.pairs(indices)
+    src = pad([s + [eos] for s in sources], pad_id)
+    tgt_in = pad([[bos] + t for t in targets], pad_id)
+    tgt_out = pad([t + [eos] for t in targets], pad_id)
+    n_src, n_tgt = sum(len(s) + 1 for s in sources), sum(len(t) + 1 for t in targets)
     return Batch(src, tgt_in, tgt_out, indices, n_src, n_tgt)

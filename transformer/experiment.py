@@ -17,7 +17,16 @@ import torch
 from . import checkpoint, distributed
 from .checkpoint import CheckpointError
 from .config import USER_ERRORS
-from .data import TokenizedCorpus, clean_training_pairs, filter_long, load_split, tokenize, write_lines
+from .data import (
+    TokenizedCorpus,
+    clean_training_pairs,
+    filter_long,
+    load_split,
+    tokenize,
+    tokenize_mapped,
+    training_text,
+    write_lines,
+)
 from .decoding import translate_corpus
 from .evaluation import score
 from .model import Transformer, count_parameters
@@ -39,9 +48,14 @@ def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
     (a resumed run takes it from its checkpoint instead)."""
     path = run_dir / "spm.model"
     started = time.monotonic()
-    tokenizer = Tokenizer.train(
-        list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
-    )
+    if cfg.data.streaming:
+        tokenizer = Tokenizer.train(
+            training_text(train_ds), cfg.data.vocab_size, cfg.data.spm_model_type, sample=cfg.data.spm_sample
+        )
+    else:
+        tokenizer = Tokenizer.train(
+            list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
+        )
     tokenizer.save(path)
     log.info(
         "trained a %d-piece %s tokenizer in %.1fs", len(tokenizer), cfg.data.spm_model_type, time.monotonic() - started
@@ -67,7 +81,8 @@ def prepare_data(
         tokenizer = train_tokenizer(cfg, run_dir, train_ds)
     elif save:
         tokenizer.save(run_dir / "spm.model")
-    train = filter_long(tokenize(train_ds, tokenizer), cfg.data.max_len)
+    tokenized = tokenize_mapped(train_ds, tokenizer) if cfg.data.streaming else tokenize(train_ds, tokenizer)
+    train = filter_long(tokenized, cfg.data.max_len)
     log.info(
         "%d training pairs, %d validation pairs (%s -> %s)",
         len(train),

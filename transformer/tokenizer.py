@@ -23,7 +23,9 @@ class Tokenizer:
         self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
 
     @classmethod
-    def train(cls, sentences: Iterable[str], vocab_size: int, model_type: str) -> Tokenizer:
+    def train(cls, sentences: Iterable[str], vocab_size: int, model_type: str, sample: int = 0) -> Tokenizer:
+        """sample > 0: train on that many sentences drawn at random from the stream (SentencePiece
+        keeps only those in memory); 0 uses them all."""
         stream = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
@@ -38,6 +40,8 @@ class Tokenizer:
                 eos_id=EOS_ID,
                 num_threads=2,
                 minloglevel=2,
+                input_sentence_size=sample,
+                shuffle_input_sentence=sample > 0,
             )
         except RuntimeError as e:  # how SentencePiece reports bad settings, e.g. too large a vocabulary
             settings = f"data.vocab_size={vocab_size}, data.spm_model_type={model_type}"
