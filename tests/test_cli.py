@@ -32,7 +32,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 def smoke_run(tmp_path_factory, shared_corpus) -> Path:
     """One `train.py experiment=smoke` run that the tests below inspect and reuse."""
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300")
+    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300", "trainer.average_last=2")
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir / "stdout.txt").write_text(result.stdout)
     return run_dir
@@ -53,6 +53,13 @@ def test_smoke_run_trains_and_reports_test_bleu(smoke_run):
     ):
         assert (smoke_run / name).is_file(), name
     assert len((smoke_run / "test_2016_flickr.beam5.en").read_text().splitlines()) == 40
+    results = json.loads((smoke_run / "results.json").read_text())
+    assert results["steps"] == 20 and results["best_step"] in (10, 20)
+    for key in ("test", "test_avg2"):  # the best checkpoint and the average of the last two
+        assert set(results[key]) == {"test_2016_flickr/greedy", "test_2016_flickr/beam5"}
+        assert "case:lc" in results[key]["test_2016_flickr/beam5"]["bleu_lc_signature"]
+    assert results["average"]["checkpoints"] == ["checkpoint_10.pt", "checkpoint_20.pt"]
+    assert (smoke_run / "checkpoint_avg2.pt").is_file() and (smoke_run / "test_2016_flickr.avg2.beam5.en").is_file()
 
 
 def test_translate_reproduces_the_runs_hypotheses_from_the_checkpoint_alone(smoke_run, shared_corpus):
@@ -267,3 +274,13 @@ def test_train_streaming_from_memory_mapped_arrow_files(tmp_path, shared_corpus)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "400 training pairs" in (run_dir / "train.log").read_text()
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 10
+
+
+def test_evaluate_budgets_scores_the_run_as_if_stopped_at_each_budget(smoke_run):
+    result = run("scripts/evaluate_budgets.py", f"run={smoke_run}", "minutes=[0.0001,100]", "average=2")
+    assert result.returncode != 0 and "no validation within 0.0001 minutes" in result.stderr
+    result = run("scripts/evaluate_budgets.py", f"run={smoke_run}", "minutes=[100]", "average=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    budgets = json.loads((smoke_run / "budgets.json").read_text())
+    assert budgets["100/avg2"]["checkpoints"] == ["checkpoint_10.pt", "checkpoint_20.pt"]
+    assert budgets["100/best"]["last_step"] == 20 and "test_2016_flickr/beam5" in budgets["100/best"]["test"]

@@ -108,9 +108,11 @@ def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     return payload
 
 
-def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device) -> dict[str, dict]:
+def evaluate_tests(
+    cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device, tag: str = ""
+) -> dict[str, dict]:
     """Decode each test split greedily and with the configured strategy; write the hypotheses
-    next to the checkpoints as {split}.{strategy}.{tgt_lang}; report BLEU and chrF."""
+    next to the checkpoints as {split}.{tag}{strategy}.{tgt_lang}; report BLEU and chrF."""
     model.eval()
     strategies = [dataclasses.replace(cfg.decode, strategy="greedy")]
     if cfg.decode.strategy != "greedy":
@@ -119,12 +121,15 @@ def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer,
     for split in cfg.data.test_splits:
         corpus = tokenize(load_split(cfg.data, split), tokenizer)
         for decode_cfg in strategies:
-            label = decode_cfg.label
+            label = tag + decode_cfg.label
             hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
             write_lines(run_dir / f"{split}.{label}.{cfg.data.tgt_lang}", hyps)
             scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
-            report(scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}"))
-            results[f"{split}/{label}"] = dataclasses.asdict(scores) | {
+            report(
+                scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}")
+                + f" | lowercased BLEU {lowercased.bleu:.2f}"
+            )
+            results[f"{split}/{decode_cfg.label}"] = dataclasses.asdict(scores) | {
                 "bleu_lc": lowercased.bleu,
                 "bleu_lc_signature": lowercased.bleu_signature,
             }
@@ -132,6 +137,28 @@ def evaluate_tests(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer,
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
                 report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
     return results
+
+
+def evaluate_average(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, valid, device) -> dict:
+    """Average the last trainer.average_last numbered checkpoints into checkpoint_avg<N>.pt and
+    score it on the validation split (greedy, as checkpoints are selected) and the test splits."""
+    numbered = sorted(run_dir.glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    paths = numbered[-cfg.trainer.average_last :]
+    if len(paths) < 2:
+        log.info("not averaging: %d numbered checkpoint(s)", len(paths))
+        return {}
+    name = f"avg{len(paths)}"
+    averaged = checkpoint.average(paths)
+    checkpoint.write(run_dir / f"checkpoint_{name}.pt", averaged)
+    model.load_state_dict(averaged["model"])
+    model.eval()
+    hyps = translate_corpus(model, valid, tokenizer, dataclasses.replace(cfg.decode, strategy="greedy"), device)
+    valid_bleu = score(hyps, valid.tgt_text).bleu
+    report(
+        f"averaged the checkpoints of steps {', '.join(p.stem.split('_')[1] for p in paths)} into "
+        f"checkpoint_{name}.pt: validation BLEU {valid_bleu:.2f} (greedy)"
+    )
+    return {"average": {"checkpoints": [p.name for p in paths], "valid_bleu": valid_bleu}, f"test_{name}": evaluate_tests(cfg, run_dir, model, tokenizer, device, tag=f"{name}.")}  # fmt: skip
 
 
 def report(message: str) -> None:
@@ -236,6 +263,9 @@ def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.dev
         "test": results,
     }
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if cfg.trainer.average_last:
+        summary |= evaluate_average(cfg, run_dir, model, tokenizer, valid, device)
+        (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": state.best_score}
     trainer.monitor.hparams(to_plain(cfg), metrics)
     trainer.monitor.close()

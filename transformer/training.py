@@ -52,6 +52,7 @@ class TrainerConfig:
     patience: int = 0  # stop after this many validations without a better score; 0: never
     eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint)
     keep_last: int = 5  # numbered checkpoints kept (weights only, for averaging); 0 keeps none
+    average_last: int = 0  # after training, also evaluate the average of the last N numbered checkpoints
     eval_bleu: bool = True  # greedy-decode the validation split and select the best checkpoint by BLEU
     attention_images: bool = True  # with eval_bleu: TensorBoard heatmaps of every head for one validation sentence
     log_every: int = 100
@@ -65,6 +66,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
         if self.accumulate < 1 or self.eval_every < 1 or self.log_every < 1 or self.warmup_steps < 1:
             raise ValueError("trainer.accumulate, eval_every, log_every and warmup_steps must be >= 1")
+        if self.average_last > self.keep_last:
+            raise ValueError(
+                f"trainer.average_last={self.average_last} needs trainer.keep_last >= it, not {self.keep_last}"
+            )
 
 
 # --- Device, precision, schedule, loss ----------------------------------------------------------
