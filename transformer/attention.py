@@ -110,13 +110,30 @@ class MultiHeadAttention(nn.Module):
         """(batch, len, n_heads * d_head) -> (batch, n_heads, len, head_size)"""
         return x.unflatten(-1, (n_heads, self.d_head)).transpose(1, 2)
 
-    def keys_values(
-        self, source: Tensor, state: dict | None, static_kv: bool, offset: int = 0
-    ) -> tuple[Tensor, Tensor]:
+    def project(self, query: Tensor, source: Tensor, state: dict | None, static_kv: bool) -> tuple[Tensor, ...]:
+        """The projections query W_q, source W_k, source W_v, as (batch, len, features) tensors;
+        keys and values are None when the state already holds them (cross-attention, later steps).
+
+        Self-attention computes all three with one matrix product, and cross-attention keys and
+        values with one: fewer, larger products run faster than three small ones. The weights
+        stay separate parameters (W_q, W_k, W_v), concatenated on the fly."""
         if state is not None and static_kv and "k" in state:
+            return self.w_q(query), None, None
+        sizes = [self.w_q.out_features, self.w_k.out_features, self.w_v.out_features]
+        linears = (self.w_q, self.w_k, self.w_v) if source is query else (self.w_k, self.w_v)
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = torch.cat([linear.bias for linear in linears]) if self.w_q.bias is not None else None
+        if source is query:
+            return F.linear(query, weight, bias).split(sizes, dim=-1)
+        return self.w_q(query), *F.linear(source, weight, bias).split(sizes[1:], dim=-1)
+
+    def keys_values(
+        self, k: Tensor | None, v: Tensor | None, state: dict | None, static_kv: bool, offset: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """Projected keys and values -> (batch, kv_heads, k_len, head_size), with the cache applied."""
+        if k is None:
             return state["k"], state["v"]
-        k = self.split_heads(self.w_k(source), self.n_kv_heads)
-        v = self.split_heads(self.w_v(source), self.n_kv_heads)
+        k, v = self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
         if self.rotary is not None:
             k = self.rotary(k, offset)  # the cache holds rotated keys, so each is rotated once
         if state is not None:
@@ -162,9 +179,10 @@ class MultiHeadAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """query: (batch, q_len, d_model); source: (batch, k_len, d_model), the keys' and values' input."""
         offset = state["k"].size(2) if state is not None and not static_kv and "k" in state else 0
-        q = self.split_heads(self.w_q(query), self.n_heads)  # (batch, heads, q_len, head_size)
+        q, k, v = self.project(query, source, state, static_kv)
+        q = self.split_heads(q, self.n_heads)  # (batch, heads, q_len, head_size)
         if self.rotary is not None:
             q = self.rotary(q, offset)
-        k, v = self.keys_values(source, state, static_kv, offset)  # (batch, kv_heads, k_len, head_size)
+        k, v = self.keys_values(k, v, state, static_kv, offset)  # (batch, kv_heads, k_len, head_size)
         out, weights = self.attend(q, k, v, mask, need_weights, query, source, state, static_kv)
         return self.w_o(self.combine_heads(out, query)), weights

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import MultiHeadAttention, Rotary
 from .attention_variants import AttentionConfig, MoHAttention, build_attention
@@ -302,6 +303,14 @@ class Transformer(nn.Module):
         self.encoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.recompute = False  # set by the trainer (trainer.recompute): activation checkpointing per layer
+
+    def run_layer(self, layer: nn.Module, *args):
+        """layer(*args), or in training with recompute on, the same with its activations
+        recomputed in the backward pass instead of stored (dropout masks are replayed)."""
+        if self.recompute and self.training and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
 
     def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
         return self.embed_dropout(self.positions(self.embed(tokens), offset))
@@ -310,7 +319,7 @@ class Transformer(nn.Module):
         """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights."""
         x, weights = self.embed_tokens(src), []
         for layer in self.encoder_layers:
-            x, w = layer(x, src_mask, need_weights)
+            x, w = self.run_layer(layer, x, src_mask, need_weights)
             weights.append(w)
         return self.encoder_norm(x), weights
 
@@ -337,7 +346,10 @@ class Transformer(nn.Module):
         x, weights = self.embed_tokens(tgt, offset), []
         for i, layer in enumerate(self.decoder_layers):
             layer_state = state.layers[i] if state is not None else None
-            x, w = layer(x, memory, src_mask, tgt_mask, layer_state, need_weights)
+            if layer_state is None:
+                x, w = self.run_layer(layer, x, memory, src_mask, tgt_mask, None, need_weights)
+            else:
+                x, w = layer(x, memory, src_mask, tgt_mask, layer_state, need_weights)
             weights.append(w)
         if state is not None:
             state.length += tgt.size(1)

@@ -18,7 +18,7 @@ from .errors import ConfigError
 # it computes: budgets, logging, where and whether to resume.
 RESUMABLE_CHANGES = {
     "trainer.resume", "trainer.overwrite", "trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes",
-    "trainer.patience", "trainer.log_every", "trainer.keep_last", "trainer.average_last", "trainer.device", "trainer.max_bad_steps",
+    "trainer.patience", "trainer.log_every", "trainer.keep_last", "trainer.average_last", "trainer.device", "trainer.compile", "trainer.recompute", "trainer.max_bad_steps",
     "data.test_splits", "decode",
 }  # fmt: skip
 

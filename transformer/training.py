@@ -60,6 +60,8 @@ class TrainerConfig:
     overwrite: bool = False  # start afresh in a run directory that already holds a checkpoint
     max_bad_steps: int = 5  # consecutive steps with non-finite loss or gradients before giving up
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
+    compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
+    recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -122,6 +124,14 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: 
     return loss, nll.masked_fill(~keep, 0.0).sum()
 
 
+def smoothed_cross_entropy(logits: Tensor, target: Tensor, pad_id: int, smoothing: float) -> Tensor:
+    """The label-smoothed loss of `label_smoothed_loss`, summed, computed by torch's fused
+    cross-entropy: no (tokens, vocab) temporaries beyond the log-probabilities. Used in training."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), target.flatten(), ignore_index=pad_id, label_smoothing=smoothing, reduction="sum"
+    )
+
+
 # --- The trainer --------------------------------------------------------------------------------
 
 
@@ -156,6 +166,7 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.model, self.tokenizer, self.train_data, self.valid_data = model, tokenizer, train, valid
         self.forward_model = model  # what training calls: the model, or its DistributedDataParallel wrapper
+        model.recompute = self.tcfg.recompute
         if world.distributed:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -164,6 +175,8 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=model.cfg.attention.kind != "standard",  # e.g. MoH heads nobody chose
             )
+        if self.tcfg.compile:
+            self.forward_model = torch.compile(self.forward_model, dynamic=True)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         self.optimizer = torch.optim.Adam(
             model.parameters(),
@@ -250,7 +263,7 @@ class Trainer:
         of one process over all the ranks' batches."""
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             logits = self.forward_model(batch.src, batch.tgt_in)
-        loss, _ = label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
+        loss = smoothed_cross_entropy(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
         objective = loss * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
         if aux is not None:
