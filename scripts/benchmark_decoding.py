@@ -1,13 +1,17 @@
-"""Decoding speed with and without the key/value cache, measured side by side in one run.
+"""Decoding speed, measured side by side in one run: with and without the key/value cache, and
+against Hugging Face transformers' `generate` at the same model size.
 
-    python scripts/benchmark_decoding.py                      # base model, random weights, 100 sentences
-    python scripts/benchmark_decoding.py checkpoint=PATH sentences=300 output=bench.json
+    python scripts/benchmark_decoding.py                      # both parts, random weights
+    python scripts/benchmark_decoding.py checkpoint=PATH sentences=300 peers=false output=bench.json
 
-For each strategy (greedy, beam 5) it decodes the same Multi30k test_2016_flickr sources with the
-cached decoder and with full recomputation of the prefix at every step (`Uncached`), checks that
-both produce the same tokens, and prints sentences/s, generated tokens/s and the speed-up.
-With random weights no sentence ends early, so every hypothesis runs to the maximum length
-(a * source + b tokens): both decoders do exactly the same work.
+1. Cache: for each strategy (greedy, beam 5) it decodes the same Multi30k test_2016_flickr sources
+   with the cached decoder and with full recomputation of the prefix at every step (`Uncached`),
+   checks that both produce the same tokens, and prints sentences/s, tokens/s and the speed-up.
+   With random weights no sentence ends early, so both decoders do exactly the same work.
+2. Peers (if transformers is installed): for each preset (small, base) ours and MarianMTModel, both
+   with random weights of the same dimensions, decode the same `peer_sentences` sources in one
+   batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
+   decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -40,6 +45,10 @@ class BenchConfig:
     data_dir: str = "data/multi30k"
     device: str = "cpu"
     threads: int = 0
+    peers: bool = True  # part 2: against HF generate (needs transformers)
+    presets: list[str] = field(default_factory=lambda: ["small", "base"])
+    peer_sentences: int = 64
+    new_tokens: int = 30
     output: Optional[str] = None  # JSON file for the results
 
 
@@ -59,6 +68,70 @@ def model_and_tokenizer(cfg: BenchConfig, device):
 def run_one(model, sources, tokenizer, decode_cfg, device) -> tuple[float, list]:
     seconds, n_best = timed(lambda: translate_ids(model, sources, tokenizer, decode_cfg, device), device)
     return seconds, [hyps[0].tokens for hyps in n_best]
+
+
+PRESETS = {"small": (3, 256, 4, 1024), "base": (6, 512, 8, 2048)}  # layers per side, d_model, heads, d_ff
+
+
+def hf_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
+        activation_function="relu", dropout=0.0, scale_embedding=True, share_encoder_decoder_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return MarianMTModel(config).eval()
+
+
+@torch.no_grad()
+def hf_generate(model, src: torch.Tensor, beams: int, new_tokens: int) -> torch.Tensor:
+    return model.generate(
+        input_ids=src, attention_mask=src != 0, num_beams=beams, do_sample=False,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    )  # fmt: skip
+
+
+def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:
+    """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences."""
+    import transformers
+
+    sources = sources[: cfg.peer_sentences]
+    eos = tokenizer.eos_id
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
+    rows = []
+    for preset in cfg.presets:
+        layers, d_model, heads, d_ff = PRESETS[preset]
+        torch.manual_seed(0)
+        ours = Transformer(
+            ModelConfig(len(tokenizer), 0, layers, layers, d_model, heads, None, d_ff, dropout=0.0)
+        ).eval()
+        theirs = hf_model(len(tokenizer), layers, d_model, heads, d_ff)
+        for strategy, beams in (("greedy", 1), ("beam", 5)):
+            label = "greedy" if beams == 1 else f"beam{beams}"
+            forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip
+            cpu = torch.device("cpu")
+            ours_s, ours_out = timed(partial(translate_ids, ours, sources, tokenizer, forced, cpu), cpu)
+            lengths = {len(h[0].tokens) + 1 for h in ours_out}
+            hf_s, hf_out = timed(partial(hf_generate, theirs, src, beams, cfg.new_tokens), cpu)
+            hf_lengths = {hf_out.size(1) - 1}  # generated tokens, without the decoder start token
+            for name, seconds, generated in (("ours", ours_s, lengths), (f"hf-marian {transformers.__version__}", hf_s, hf_lengths)):  # fmt: skip
+                rows.append({
+                    "preset": preset, "strategy": label, "decoder": name, "seconds": seconds,
+                    "sentences_per_s": len(sources) / seconds, "tokens_per_s": len(sources) * cfg.new_tokens / seconds,
+                    "generated_lengths": sorted(generated),
+                })  # fmt: skip
+            rows[-2]["vs_hf"] = hf_s / ours_s
+    return rows
+
+
+def print_peer_rows(rows: list[dict]) -> None:
+    print(f"{'preset':<7}{'strategy':<9}{'decoder':<24}{'sent/s':>9}{'tok/s':>9}{'vs hf':>8}  lengths")
+    for r in rows:
+        ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
+        print(f"{r['preset']:<7}{r['strategy']:<9}{r['decoder']:<24}{r['sentences_per_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>8}  {r['generated_lengths']}")  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
@@ -102,8 +175,21 @@ def main(argv: list[str]) -> None:
         results[f"{label}_same_tokens"] = cached == uncached
         results[f"{label}_speedup"] = uncached_s / cached_s
         print(f"{label}: cached and uncached give the same tokens: {cached == uncached}")
+    if cfg.peers:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("peers skipped: transformers is not installed (pip install -e '.[bench]')", file=sys.stderr)
+        else:
+            print(f"against HF generate: {cfg.peer_sentences} sentences in one batch, {cfg.new_tokens} tokens each")
+            results["peers"] = peer_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test))
+            print_peer_rows(results["peers"])
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(results, indent=2))
+
+
+def sources_for_peers(cfg: BenchConfig, tokenizer, test) -> list[list[int]]:
+    return tokenizer.encode(list(test["src"])[: cfg.peer_sentences])
 
 
 if __name__ == "__main__":

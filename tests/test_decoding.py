@@ -87,6 +87,19 @@ def test_max_length_rule_bounds_every_hypothesis():
         assert len(hyps[0].tokens) + 1 <= int((len(sent) + 1) * 0.5 + 2)
 
 
+def test_min_len_forces_every_hypothesis_to_run_that_long():
+    """With min_len = max_len - 1 every hypothesis has exactly max_len tokens (EOS last), the
+    setting the decoding benchmark uses to give every decoder the same work."""
+    model, sents = make_model(), sources(10)
+    for strategy in ("greedy", "beam"):
+        cfg = DecodeConfig(strategy=strategy, beam_size=3, max_len_a=0.0, max_len_b=12, min_len=11)
+        if strategy == "beam":
+            lengths = [len(h[0].tokens) for h in beam_search(model, batch(sents), BOS, EOS, cfg)]
+        else:
+            lengths = [len(t) for t in greedy(model, batch(sents), BOS, EOS, cfg)]
+        assert lengths == [11] * len(sents), strategy
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
     model, src = make_model(), batch(sources(8))
     cfg = DecodeConfig(strategy="sample", temperature=1.5, top_p=0.9)

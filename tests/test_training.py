@@ -111,7 +111,7 @@ def test_recompute_gives_the_same_gradients_with_dropout():
         model = Transformer(cfg).train()
         model.recompute = recompute
         calls = []
-        model.encoder_layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        model.encoder_layers[0].register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
         torch.manual_seed(1)
         label_smoothed_loss(model(src, tgt[:, :-1]), tgt[:, 1:], 0, 0.1)[0].backward()
         grads.append([p.grad.clone() for p in model.parameters()])

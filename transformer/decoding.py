@@ -39,6 +39,7 @@ class DecodeConfig:
     length_penalty: float = 0.6  # GNMT's alpha: scores are divided by ((5 + length) / 6) ** alpha
     max_len_a: float = 1.2  # a translation of a source of n tokens has at most a * n + b tokens
     max_len_b: int = 10
+    min_len: int = 0  # tokens generated before EOS may end a translation (0: no minimum)
     max_tokens: int = 8192  # source tokens per decoding batch
     temperature: float = 1.0  # sampling
     top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
@@ -100,6 +101,8 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (batch, vocab)
+        if step < cfg.min_len:
+            lprobs[:, eos_id] = -math.inf
         next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
         next_token = torch.where(done, model.cfg.pad_id, next_token)
         log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
@@ -164,7 +167,8 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     done = torch.zeros(batch, dtype=torch.bool)
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        lprobs = step_log_probs(logits[:, -1], step, max_len.repeat_interleave(k).to(src.device), eos_id, pad_id)
+        rows_max_len = max_len.repeat_interleave(k).to(src.device)
+        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len)
         vocab = lprobs.size(-1)
         top, index = (scores.view(-1, 1) + lprobs).view(batch, -1).topk(2 * k, dim=1)  # (batch, 2k)
         beam, token = index // vocab, index % vocab
@@ -182,11 +186,14 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
 
 
-def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int) -> Tensor:
-    """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len."""
+def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int, min_len: int = 0) -> Tensor:
+    """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len
+    and refused before min_len tokens."""
     lprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     lprobs[:, pad_id] = -math.inf
     out_of_room = step + 1 >= max_len
+    if step < min_len:
+        lprobs[:, eos_id] = torch.where(out_of_room, lprobs[:, eos_id], -math.inf)
     if out_of_room.any():
         forced = torch.full_like(lprobs[0], -math.inf)
         forced[eos_id] = 0.0
