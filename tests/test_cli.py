@@ -284,3 +284,13 @@ def test_evaluate_budgets_scores_the_run_as_if_stopped_at_each_budget(smoke_run)
     budgets = json.loads((smoke_run / "budgets.json").read_text())
     assert budgets["100/avg2"]["checkpoints"] == ["checkpoint_10.pt", "checkpoint_20.pt"]
     assert budgets["100/best"]["last_step"] == 20 and "test_2016_flickr/beam5" in budgets["100/best"]["test"]
+
+
+def test_results_table_prints_every_score_with_signatures(smoke_run):
+    result = run("scripts/results_table.py", f"run={smoke_run}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (
+        "| best checkpoint (step" in result.stdout
+        and "| average of 2 checkpoints | test_2016_flickr | beam5 |" in result.stdout
+    )
+    assert "case:lc" in result.stdout and "nrefs:1|case:mixed" in result.stdout

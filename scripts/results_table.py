@@ -1,0 +1,63 @@
+"""Markdown tables of a run's test scores, as docs/RESULTS.md shows them.
+
+    python scripts/results_table.py run=outputs/de-en/RUN
+    python scripts/results_table.py run=outputs/de-en/RUN budgets=true   # also the budgets of evaluate_budgets.py
+
+Reads RUN/results.json (written by train.py) and, with budgets=true, RUN/budgets.json. Prints
+one row per model (best checkpoint, average), test split and decoding, with sacreBLEU cased and
+lowercased and chrF, then the signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformer.cli import parse_args
+from transformer.config import ConfigError, exit_on_user_error
+
+
+@dataclass
+class TableConfig:
+    run: str = "???"
+    budgets: bool = False
+
+
+def rows(label: str, tests: dict) -> list[str]:
+    out = []
+    for key, s in tests.items():
+        split, decoding = key.split("/")
+        out.append(f"| {label} | {split} | {decoding} | {s['bleu']:.2f} | {s['bleu_lc']:.2f} | {s['chrf']:.2f} |")
+    return out
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, TableConfig, __doc__)
+        run = Path(cfg.run)
+        if not (run / "results.json").is_file():
+            raise ConfigError(f"{run / 'results.json'} does not exist (written at the end of train.py)")
+        results = json.loads((run / "results.json").read_text())
+        lines = ["| model | test set | decoding | BLEU | BLEU (lc) | chrF |", "|---|---|---|---:|---:|---:|"]
+        lines += rows(f"best checkpoint (step {results['best_step']})", results["test"])
+        for key in results:
+            if key.startswith("test_avg"):
+                lines += rows(f"average of {len(results['average']['checkpoints'])} checkpoints", results[key])
+        if cfg.budgets:
+            budgets = json.loads((run / "budgets.json").read_text())
+            for name, b in budgets.items():
+                minutes, model = name.split("/")
+                lines += rows(f"{minutes} min, {model} (to step {b['last_step']})", b["test"])
+        first = next(iter(results["test"].values()))
+        print("\n".join(lines))
+        print(f"\nBLEU: `{first['bleu_signature']}`  \nBLEU (lc): `{first['bleu_lc_signature']}`  \nchrF: `{first['chrf_signature']}`")  # fmt: skip
+        print(
+            f"\n{results['steps']} steps ({results['epochs']:.1f} epochs) in {results['train_minutes']:.1f} min, "
+            f"{results['tokens_per_s']:.0f} tokens/s, {results['autocast']}, {results['parameters']:,} parameters"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
