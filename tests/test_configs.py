@@ -84,3 +84,10 @@ def test_block_options_and_attention_keys_are_single_overrides():
     m = to_config(compose_config(overrides)).model
     assert (m.attention.kind, m.attention.top_k, m.positional, m.norm, m.activation) == ("moh", 1, "rope", "rmsnorm", "swiglu")  # fmt: skip
     assert set(ATTENTION_KINDS) == {"standard", "moh", "dcmha", "overlap"}
+
+
+def test_sweep_config_defines_a_multirun_grid():
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["sweep=multi30k_de_en"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert {"data.vocab_size", "model.dropout"} <= set(params) and "," in params["model.dropout"]
