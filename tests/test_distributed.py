@@ -14,7 +14,7 @@ from .test_cli import run
 COMMON = [
     "experiment=smoke",
     "data.vocab_size=300",
-    "data.max_tokens=256",  # many small batches, so 6 steps stay inside the first epoch
+    "data.max_tokens=256",  # many small batches, so 8 steps stay inside the first epoch
     "data.test_splits=[]",
     "model.dropout=0.0",
     "trainer.max_steps=6",
@@ -39,18 +39,24 @@ def losses(run_dir) -> list[float]:
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_two_processes_equal_one_process_accumulating_their_batches(shared_corpus, tmp_path):
-    single_dir, ddp_dir = tmp_path / "single", tmp_path / "ddp"
-    single = run(
-        "train.py", *COMMON, f"data.dir={shared_corpus}", "trainer.accumulate=2", f"hydra.run.dir={single_dir}"
-    )
+    """...and a distributed run resumed from its checkpoint continues exactly."""
+    single_dir, ddp_dir, data = tmp_path / "single", tmp_path / "ddp", f"data.dir={shared_corpus}"
+    single = run("train.py", *COMMON, data, "trainer.max_steps=8", "trainer.accumulate=2", f"hydra.run.dir={single_dir}")  # fmt: skip
     assert single.returncode == 0, single.stderr[-2000:]
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1"]  # fmt: skip
-    ddp = run(*launcher, "train.py", *COMMON, f"data.dir={shared_corpus}", f"hydra.run.dir={ddp_dir}")
+
+    def launch(*overrides):
+        launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "--master_addr=127.0.0.1"]  # fmt: skip
+        return run(*launcher, "train.py", *COMMON, data, f"hydra.run.dir={ddp_dir}", *overrides)
+
+    ddp = launch()  # 6 steps; validation and checkpoint at step 6
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert "all 2 processes hold identical weights" in ddp.stdout + ddp.stderr
     assert "2 processes" in (ddp_dir / "train.log").read_text()
-
     assert len(losses(ddp_dir)) == 6  # rank 0 alone writes the log of numbers
+    resumed = launch("trainer.max_steps=8")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 6" in (ddp_dir / "train.log").read_text()
+
     torch.testing.assert_close(torch.tensor(losses(ddp_dir)), torch.tensor(losses(single_dir)), rtol=1e-4, atol=1e-5)
     a = checkpoint.load(single_dir / "checkpoint_last.pt")["model"]
     b = checkpoint.load(ddp_dir / "checkpoint_last.pt")["model"]
