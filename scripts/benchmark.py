@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from transformer.benchmarking import hardware
+from transformer.benchmarking import hardware, marian_model
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
 
@@ -126,15 +126,7 @@ def build_torch(layers, d_model, heads, d_ff):
 
 
 def build_hf(layers, d_model, heads, d_ff):
-    from transformers import MarianConfig, MarianMTModel
-
-    config = MarianConfig(
-        vocab_size=VOCAB, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
-        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
-        max_position_embeddings=1024, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
-        activation_function="relu", dropout=0.1, scale_embedding=True, share_encoder_decoder_embeddings=True,
-    )  # fmt: skip
-    model = MarianMTModel(config)
+    model = marian_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1)
 
     def loss(src, tgt_in, tgt_out):
         logits = model(

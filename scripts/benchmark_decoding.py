@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import hardware, timed
+from transformer.benchmarking import hardware, marian_model, timed
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
@@ -73,19 +73,6 @@ def run_one(model, sources, tokenizer, decode_cfg, device) -> tuple[float, list]
 PRESETS = {"small": (3, 256, 4, 1024), "base": (6, 512, 8, 2048)}  # layers per side, d_model, heads, d_ff
 
 
-def hf_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int):
-    from transformers import MarianConfig, MarianMTModel
-
-    config = MarianConfig(
-        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
-        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
-        max_position_embeddings=1024, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
-        activation_function="relu", dropout=0.0, scale_embedding=True, share_encoder_decoder_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return MarianMTModel(config).eval()
-
-
 @torch.no_grad()
 def hf_generate(model, src: torch.Tensor, beams: int, new_tokens: int) -> torch.Tensor:
     return model.generate(
@@ -108,7 +95,8 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
         ours = Transformer(
             ModelConfig(len(tokenizer), 0, layers, layers, d_model, heads, None, d_ff, dropout=0.0)
         ).eval()
-        theirs = hf_model(len(tokenizer), layers, d_model, heads, d_ff)
+        torch.manual_seed(0)
+        theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).eval()
         for strategy, beams in (("greedy", 1), ("beam", 5)):
             label = "greedy" if beams == 1 else f"beam{beams}"
             forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip

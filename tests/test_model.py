@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from transformer.attention import MultiHeadAttention
+from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
 from transformer.model import (
     DecoderState,
@@ -19,9 +20,16 @@ PAD, BOS, EOS = 0, 2, 3
 
 
 def make_model(**overrides) -> Transformer:
+    """A tiny model. The parameters of attention variants (MoH router, DCMHA mixing) are moved
+    away from their zero/identity initialization, so no variant sits at its neutral point."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=40, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)
-    return Transformer(ModelConfig(**{**cfg, **overrides})).eval()
+    model = Transformer(ModelConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(part in name for part in ("router", "stage", "query_weights", "key_weights", ".static")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
 
 
 def random_tokens(batch: int, length: int) -> torch.Tensor:
@@ -35,10 +43,25 @@ VARIANTS = [
     {"n_kv_heads": 1},
     {"positional": "learned"},
     {"bias": False, "tie_output": False},
+    # The attention variants and block options of attention_variants.py and docs/ATTENTION.md:
+    {"attention": AttentionConfig(kind="moh", shared_heads=1, top_k=2)},
+    {"attention": AttentionConfig(kind="moh", shared_heads=2, top_k=1), "n_kv_heads": 2},
+    {"attention": AttentionConfig(kind="dcmha", rank=2)},
+    {"attention": AttentionConfig(kind="dcmha", rank=1), "n_kv_heads": 1},
+    {"attention": AttentionConfig(kind="overlap", overlap=2)},
+    {"positional": "rope"},
+    {"norm": "rmsnorm", "norm_first": True},
+    {"activation": "gelu"},
+    {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True},
+    {"positional": "rope", "attention": AttentionConfig(kind="overlap", overlap=2)},
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def variant_id(variant: dict) -> str:
+    return ",".join(f"{k}={getattr(v, 'kind', v)}" for k, v in variant.items()) or "standard"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_decoder_is_causal(variant):
     """Changing a future target token never changes the logits at earlier positions."""
     model, src, tgt = make_model(**variant), random_tokens(2, 7), random_tokens(2, 9)
@@ -50,7 +73,7 @@ def test_decoder_is_causal(variant):
     assert not torch.allclose(before[:, 5:], after[:, 5:])
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_padding_does_not_change_outputs(variant):
     """A sentence padded inside a batch gets the same logits as the sentence alone."""
     model, src, tgt = make_model(**variant), random_tokens(1, 6), random_tokens(1, 5)
@@ -59,8 +82,10 @@ def test_padding_does_not_change_outputs(variant):
         alone = model(src, tgt)
         padded = model(padded_src, tgt)
         batched = model(torch.cat([padded_src, random_tokens(1, 10)]), torch.cat([tgt, random_tokens(1, 5)]))
-    torch.testing.assert_close(alone, padded)
-    torch.testing.assert_close(alone, batched[:1])
+    # Padding that leaked would change the logits by O(1); the tolerance bounds float
+    # reassociation in the batched products (DCMHA's head mixing reorders sums) only.
+    torch.testing.assert_close(alone, padded, rtol=1e-3, atol=3e-4)
+    torch.testing.assert_close(alone, batched[:1], rtol=1e-3, atol=3e-4)
 
 
 def test_multi_head_attention_matches_torch_reference():
@@ -119,7 +144,7 @@ def test_masks_follow_the_true_means_may_attend_convention():
     assert causal_mask(2, offset=1)[0, 0].tolist() == [[True, True, False], [True, True, True]]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_incremental_decoding_equals_full_recomputation(variant):
     """Logits from the KV cache, one token at a time, equal a full forward pass over the prefix."""
     model, src, tgt = make_model(**variant), random_tokens(3, 6), random_tokens(3, 7)
@@ -131,7 +156,7 @@ def test_incremental_decoding_equals_full_recomputation(variant):
         steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, state)[0] for i in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
     n_kv = model.cfg.kv_heads
-    assert state.layers[0]["self"]["k"].shape == (3, n_kv, 7, 8)  # the cache shrinks with n_kv_heads
+    assert state.layers[0]["self"]["k"].shape == (3, n_kv, 7, model.cfg.head_size)  # shrinks with n_kv_heads
 
 
 def test_greedy_matches_argmax_of_uncached_recomputation():

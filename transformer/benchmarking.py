@@ -40,3 +40,17 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, result
+
+
+def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
+    """Hugging Face's MarianMTModel with our dimensions: the peer the benchmarks compare against
+    (shared embeddings, scaled by sqrt(d_model), ReLU, PAD 0, BOS 2 as decoder start, EOS 3)."""
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=vocab, d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=d_ff, decoder_ffn_dim=d_ff,
+        max_position_embeddings=1024, pad_token_id=0, eos_token_id=3, decoder_start_token_id=2,
+        activation_function="relu", dropout=dropout, scale_embedding=True, share_encoder_decoder_embeddings=True,
+    )  # fmt: skip
+    return MarianMTModel(config)
