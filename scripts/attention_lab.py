@@ -45,11 +45,11 @@ VARIANTS = {
         ["model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.norm_first=true"],
     ),
 }
-CONVERSIONS = {  # name: (n_kv_heads, align, fine-tuning steps)
-    "mha_to_gqa2_mean": (2, False, 0),
-    "mha_to_gqa2_aligned": (2, True, 0),
-    "mha_to_gqa2_aligned_ft": (2, True, 300),
-    "mha_to_mqa_aligned_ft": (1, True, 300),
+CONVERSIONS = {  # name: (n_kv_heads, align, fine-tune)
+    "mha_to_gqa2_mean": (2, False, False),
+    "mha_to_gqa2_aligned": (2, True, False),
+    "mha_to_gqa2_aligned_ft": (2, True, True),
+    "mha_to_mqa_aligned_ft": (1, True, True),
 }
 START, END = "<!-- attention-lab:start -->", "<!-- attention-lab:end -->"
 
@@ -62,7 +62,9 @@ class LabConfig:
     doc: str = "docs/ATTENTION.md"
     speed_sentences: int = 500
     conversions: bool = True
+    finetune_steps: int = 300  # for the conversions that fine-tune
     report_only: bool = False
+    extra: list[str] = field(default_factory=list)  # more train.py overrides for every run (e.g. a smaller experiment)
 
 
 def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
@@ -70,13 +72,13 @@ def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
     if (run_dir / "results.json").is_file():
         print(f"{name}: reusing {run_dir}")
         return
-    command = [sys.executable, "train.py", f"trainer.max_minutes={cfg.minutes}", f"hydra.run.dir={run_dir}", "trainer.overwrite=true", *overrides]  # fmt: skip
+    command = [sys.executable, "train.py", f"trainer.max_minutes={cfg.minutes}", f"hydra.run.dir={run_dir}", "trainer.overwrite=true", *cfg.extra, *overrides]  # fmt: skip
     print(f"{name}: {' '.join(command[1:])}", flush=True)
     subprocess.run(command, cwd=ROOT, check=True)
 
 
 def decode_speed(run_dir: Path, n: int) -> float:
-    """Beam-5 sentences per second on the first n test_2016_flickr sources (batch of 64 by default)."""
+    """Beam-5 sentences per second on the first n test_2016_flickr sources (batched as translate.py does)."""
     model, tokenizer, payload = load_model(run_dir / "checkpoint_best.pt")
     data = payload["train_config"]["data"]
     split = load_split(DataConfig(dir=data["dir"], src_lang=data["src_lang"], tgt_lang=data["tgt_lang"]), "test_2016_flickr")  # fmt: skip
@@ -86,8 +88,9 @@ def decode_speed(run_dir: Path, n: int) -> float:
     return len(sources) / (time.perf_counter() - started)
 
 
-def convert(name: str, spec: tuple, out: Path) -> None:
-    k, align, steps = spec
+def convert(name: str, spec: tuple, out: Path, finetune_steps: int) -> None:
+    k, align, finetune = spec
+    steps = finetune_steps if finetune else 0
     output = out / "conversions" / f"{name}.pt"
     if output.with_suffix(".json").is_file():
         print(f"{name}: reusing {output}")
@@ -163,7 +166,7 @@ def main(argv: list[str]) -> None:
             train(name, VARIANTS[name][1], cfg, out)
         if cfg.conversions and "mha" in names:
             for name, spec in CONVERSIONS.items():
-                convert(name, spec, out)
+                convert(name, spec, out, cfg.finetune_steps)
     rows = []
     for name in names:
         run_dir = out / name

@@ -294,3 +294,21 @@ def test_results_table_prints_every_score_with_signatures(smoke_run):
         and "| average of 2 checkpoints | test_2016_flickr | beam5 |" in result.stdout
     )
     assert "case:lc" in result.stdout and "nrefs:1|case:mixed" in result.stdout
+
+
+def test_attention_lab_trains_converts_and_writes_the_table(shared_corpus, tmp_path):
+    doc = tmp_path / "ATTENTION.md"
+    doc.write_text("intro\n<!-- attention-lab:start -->\nold\n<!-- attention-lab:end -->\nrest\n")
+    extra = f"extra=[experiment=smoke,data.dir={shared_corpus},data.vocab_size=300]"
+    args = ["only=[mha,moh]", "minutes=5", "finetune_steps=2", "speed_sentences=5", f"out={tmp_path / 'lab'}", f"doc={doc}"]  # fmt: skip
+    result = run("scripts/attention_lab.py", extra, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith("rest\n") and "old" not in text
+    assert "| mha: standard multi-head attention |" in text and "| moh: MoH" in text
+    assert "| mha_to_mqa_aligned_ft, 2 steps |" in text
+    summary = json.loads((tmp_path / "lab" / "summary.json").read_text())
+    moh = next(r for r in summary["rows"] if r["variant"] == "moh")
+    mha = next(r for r in summary["rows"] if r["variant"] == "mha")
+    assert moh["parameters"] > mha["parameters"] and moh["kv_bytes_per_token"] == mha["kv_bytes_per_token"]
+    assert summary["conversions"]["mha_to_mqa_aligned_ft"]["kv_cache_bytes_after"]["self_per_target_token"] * 4 == mha["kv_bytes_per_token"]  # fmt: skip
