@@ -8,6 +8,8 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   ours          transformer.model.Transformer
   torch         torch.nn.Transformer with embeddings, sinusoidal positions and a tied output layer
   hf-marian     transformers' MarianMTModel (only if `transformers` is installed: pip install -e ".[bench]")
+  ours-compile, ours-recompute   ours with trainer.compile / trainer.recompute (on request, e.g.
+                implementations=[ours,ours-compile,ours-recompute])
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS)
 is its own. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
 model FLOP/s as a fraction of the dense matmul peak measured in the same run, peak memory.
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +38,7 @@ PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
 }
-IMPLEMENTATIONS = ("ours", "torch", "hf-marian")
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute
 VOCAB = 8000
 
 
@@ -75,14 +78,17 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 # --- The three implementations, each as (model, loss function) ----------------------------------
 
 
-def build_ours(layers, d_model, heads, d_ff):
+def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False):
+    """Our model and the loss the trainer uses; compile and recompute as trainer.compile / trainer.recompute."""
     from transformer.model import ModelConfig, Transformer
-    from transformer.training import label_smoothed_loss
+    from transformer.training import smoothed_cross_entropy
 
     model = Transformer(ModelConfig(VOCAB, 0, layers, layers, d_model, heads, None, d_ff, dropout=0.1))
+    model.recompute = recompute
+    forward = torch.compile(model, dynamic=True) if compile else model
 
     def loss(src, tgt_in, tgt_out):
-        return label_smoothed_loss(model(src, tgt_in), tgt_out, 0, 0.1)[0]
+        return smoothed_cross_entropy(forward(src, tgt_in), tgt_out, 0, 0.1)
 
     return model, loss
 
@@ -139,7 +145,13 @@ def build_hf(layers, d_model, heads, d_ff):
     return model, loss
 
 
-BUILDERS = {"ours": build_ours, "torch": build_torch, "hf-marian": build_hf}
+BUILDERS = {
+    "ours": build_ours,
+    "ours-compile": partial(build_ours, compile=True),
+    "ours-recompute": partial(build_ours, recompute=True),
+    "torch": build_torch,
+    "hf-marian": build_hf,
+}
 
 
 # --- Measuring ----------------------------------------------------------------------------------
