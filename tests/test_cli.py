@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -312,3 +313,11 @@ def test_attention_lab_trains_converts_and_writes_the_table(shared_corpus, tmp_p
     mha = next(r for r in summary["rows"] if r["variant"] == "mha")
     assert moh["parameters"] > mha["parameters"] and moh["kv_bytes_per_token"] == mha["kv_bytes_per_token"]
     assert summary["conversions"]["mha_to_mqa_aligned_ft"]["kv_cache_bytes_after"]["self_per_target_token"] * 4 == mha["kv_bytes_per_token"]  # fmt: skip
+
+
+def test_train_with_rdrop(tmp_path, shared_corpus):
+    run_dir = tmp_path / "rdrop"
+    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300", "trainer.rdrop=1.0", "trainer.max_steps=4", "trainer.eval_every=4", "trainer.log_every=1", "data.test_splits=[]")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]  # fmt: skip
+    assert losses and all(math.isfinite(x) for x in losses)

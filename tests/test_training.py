@@ -129,3 +129,16 @@ def test_training_loss_is_the_reference_label_smoothed_loss():
     torch.testing.assert_close(
         smoothed_cross_entropy(logits, target, 0, 0.1), label_smoothed_loss(logits, target, 0, 0.1)[0]
     )
+
+
+def test_rdrop_regularizer_is_the_symmetric_kl_over_real_tokens():
+    from transformer.training import symmetric_kl
+
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 9), torch.randn(2, 4, 9)
+    keep = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    la, lb = a.log_softmax(-1), b.log_softmax(-1)
+    kl = lambda p, q: F.kl_div(q, p, log_target=True, reduction="none").sum(-1)  # KL(p || q)  # noqa: E731
+    expected = ((kl(la, lb) + kl(lb, la)) / 2)[keep].sum()
+    torch.testing.assert_close(symmetric_kl(a, b, keep), expected)
+    assert symmetric_kl(a, a, keep).item() == pytest.approx(0.0, abs=1e-6)

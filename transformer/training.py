@@ -61,6 +61,7 @@ class TrainerConfig:
     max_bad_steps: int = 5  # consecutive steps with non-finite loss or gradients before giving up
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
     compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
+    rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
 
     def __post_init__(self) -> None:
@@ -130,6 +131,14 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, pad_id: int, smoothin
     return F.cross_entropy(
         logits.flatten(0, 1).float(), target.flatten(), ignore_index=pad_id, label_smoothing=smoothing, reduction="sum"
     )
+
+
+def symmetric_kl(logits_a: Tensor, logits_b: Tensor, keep: Tensor) -> Tensor:
+    """R-Drop's regularizer (Liang et al. 2021): (KL(p_a || p_b) + KL(p_b || p_a)) / 2, summed over
+    the target positions where `keep` is True. logits: (batch, len, vocab); keep: (batch, len)."""
+    a, b = F.log_softmax(logits_a.float(), dim=-1), F.log_softmax(logits_b.float(), dim=-1)
+    kl = (a.exp() * (a - b) + b.exp() * (b - a)).sum(-1) / 2
+    return kl.masked_fill(~keep, 0.0).sum()
 
 
 # --- The trainer --------------------------------------------------------------------------------
@@ -261,10 +270,21 @@ class Trainer:
         The loss is divided by the step's target tokens over all ranks, and multiplied by the
         world size because data parallelism averages gradients over ranks: the update is that
         of one process over all the ranks' batches."""
+        pad, smoothing = self.tokenizer.pad_id, self.tcfg.label_smoothing
+        if self.tcfg.rdrop:  # the batch twice, with independent dropout: one forward pass of twice the rows
+            src, tgt_in = batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1)
+        else:
+            src, tgt_in = batch.src, batch.tgt_in
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            logits = self.forward_model(batch.src, batch.tgt_in)
-        loss = smoothed_cross_entropy(logits, batch.tgt_out, self.tokenizer.pad_id, self.tcfg.label_smoothing)
-        objective = loss * self.world.size / n_tokens
+            logits = self.forward_model(src, tgt_in)
+        if self.tcfg.rdrop:
+            first, second = logits.chunk(2)
+            loss = (smoothed_cross_entropy(first, batch.tgt_out, pad, smoothing) + smoothed_cross_entropy(second, batch.tgt_out, pad, smoothing)) / 2  # fmt: skip
+            regularizer = self.tcfg.rdrop * symmetric_kl(first, second, batch.tgt_out != pad)
+            objective = (loss + regularizer) * self.world.size / n_tokens
+        else:
+            loss = smoothed_cross_entropy(logits, batch.tgt_out, pad, smoothing)
+            objective = loss * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
         if aux is not None:
             objective = objective + aux / n_batches
