@@ -3,8 +3,9 @@
     python scripts/evaluate_budgets.py run=outputs/de-en/RUN minutes=[30,60,90] average=5
 
 For each budget M it takes the run's validations whose training clock (`train_minutes` in
-metrics.jsonl, counted as trainer.max_minutes counts it) is at most M, and scores on every test
-split, greedy and with the run's decoding settings (beam 5 by default):
+metrics.jsonl, counted as trainer.max_minutes counts it) is at most M, and scores on `splits`
+(the validation split, to choose between the two, and the test splits), greedy and with the
+run's decoding settings (beam 5 by default):
   - best: the checkpoint with the highest validation BLEU among them;
   - avgN: the average of the last N of their numbered checkpoints.
 Both are chosen from the validation split and the budget alone. The learning-rate schedule does
@@ -37,6 +38,7 @@ class BudgetConfig:
     run: str = "???"
     minutes: list[float] = field(default_factory=lambda: [30.0, 60.0, 90.0])
     average: int = 5
+    splits: list[str] = field(default_factory=lambda: ["val", "test_2016_flickr", "test_2017_flickr"])
     device: str = "auto"
 
 
@@ -78,6 +80,7 @@ def main(argv: list[str]) -> None:
                     checkpoint.write(path, payload)
                     model, tokenizer, _ = checkpoint.load_model(path, device)
                 train_cfg = to_config(OmegaConf.create(payload["train_config"]))
+                train_cfg.data.test_splits = list(cfg.splits)
                 scores = evaluate_tests(train_cfg, run_dir, model, tokenizer, device, tag=f"{budget:g}min.{name}.")
                 results[f"{budget:g}/{name}"] = {
                     "budget_minutes": budget,
