@@ -93,6 +93,7 @@ def finetune(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, train, val
         max_epochs=0,
         eval_every=cfg.finetune_steps,
         keep_last=0,
+        average_last=0,
         attention_images=False,
         resume=None,
         overwrite=True,

@@ -37,26 +37,30 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, TableConfig, __doc__)
         run = Path(cfg.run)
-        if not (run / "results.json").is_file():
+        has_results = (run / "results.json").is_file()
+        if not has_results and not (cfg.budgets and (run / "budgets.json").is_file()):
             raise ConfigError(f"{run / 'results.json'} does not exist (written at the end of train.py)")
-        results = json.loads((run / "results.json").read_text())
+        results = json.loads((run / "results.json").read_text()) if has_results else {"test": {}}
         lines = ["| model | test set | decoding | BLEU | BLEU (lc) | chrF |", "|---|---|---|---:|---:|---:|"]
-        lines += rows(f"best checkpoint (step {results['best_step']})", results["test"])
+        if has_results:
+            lines += rows(f"best checkpoint (step {results['best_step']})", results["test"])
         for key in results:
             if key.startswith("test_avg"):
                 lines += rows(f"average of {len(results['average']['checkpoints'])} checkpoints", results[key])
+        first = next(iter(results["test"].values()), None)
         if cfg.budgets:
             budgets = json.loads((run / "budgets.json").read_text())
             for name, b in budgets.items():
                 minutes, model = name.split("/")
                 lines += rows(f"{minutes} min, {model} (to step {b['last_step']})", b["test"])
-        first = next(iter(results["test"].values()))
+                first = first or next(iter(b["test"].values()))
         print("\n".join(lines))
         print(f"\nBLEU: `{first['bleu_signature']}`  \nBLEU (lc): `{first['bleu_lc_signature']}`  \nchrF: `{first['chrf_signature']}`")  # fmt: skip
-        print(
-            f"\n{results['steps']} steps ({results['epochs']:.1f} epochs) in {results['train_minutes']:.1f} min, "
-            f"{results['tokens_per_s']:.0f} tokens/s, {results['autocast']}, {results['parameters']:,} parameters"
-        )
+        if has_results:
+            print(
+                f"\n{results['steps']} steps ({results['epochs']:.1f} epochs) in {results['train_minutes']:.1f} min, "
+                f"{results['tokens_per_s']:.0f} tokens/s, {results['autocast']}, {results['parameters']:,} parameters"
+            )
 
 
 if __name__ == "__main__":
