@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
         if not has_results and not (cfg.budgets and (run / "budgets.json").is_file()):
             raise ConfigError(f"{run / 'results.json'} does not exist (written at the end of train.py)")
         results = json.loads((run / "results.json").read_text()) if has_results else {"test": {}}
-        lines = ["| model | test set | decoding | BLEU | BLEU (lc) | chrF |", "|---|---|---|---:|---:|---:|"]
+        lines = ["| model | split | decoding | BLEU | BLEU (lc) | chrF |", "|---|---|---|---:|---:|---:|"]
         if has_results:
             lines += rows(f"best checkpoint (step {results['best_step']})", results["test"])
         for key in results:
