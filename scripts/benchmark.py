@@ -80,8 +80,8 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 
 def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False):
     """Our model and the loss the trainer uses; compile and recompute as trainer.compile / trainer.recompute."""
+    from transformer.losses import smoothed_cross_entropy
     from transformer.model import ModelConfig, Transformer
-    from transformer.training import smoothed_cross_entropy
 
     model = Transformer(ModelConfig(VOCAB, 0, layers, layers, d_model, heads, None, d_ff, dropout=0.1))
     model.recompute = recompute

@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 from transformer.data import collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
+from transformer.losses import inverse_sqrt_lr, label_smoothed_loss
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
-from transformer.training import inverse_sqrt_lr, label_smoothed_loss
 
 
 def test_schedule_is_the_papers_formula():
@@ -121,7 +121,7 @@ def test_recompute_gives_the_same_gradients_with_dropout():
 
 
 def test_training_loss_is_the_reference_label_smoothed_loss():
-    from transformer.training import smoothed_cross_entropy
+    from transformer.losses import smoothed_cross_entropy
 
     torch.manual_seed(0)
     logits, target = torch.randn(3, 5, 11), torch.randint(1, 11, (3, 5))
@@ -132,7 +132,7 @@ def test_training_loss_is_the_reference_label_smoothed_loss():
 
 
 def test_rdrop_regularizer_is_the_symmetric_kl_over_real_tokens():
-    from transformer.training import symmetric_kl
+    from transformer.losses import symmetric_kl
 
     torch.manual_seed(0)
     a, b = torch.randn(2, 4, 9), torch.randn(2, 4, 9)

@@ -197,22 +197,10 @@ def run(cfg, run_dir: Path) -> dict:
         distributed.stop(world)
 
 
-def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.device) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    if cfg.trainer.deterministic:
-        make_deterministic()
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
-    log.info(
-        "run directory %s, device %s, autocast %s%s",
-        run_dir,
-        device,
-        autocast_dtype(cfg.trainer.precision, device),
-        f", {world.size} processes" if world.distributed else "",
-    )
-    # Rank 0 alone clears the directory, checks what to resume and trains the tokenizer; the
-    # others then read what it decided (and stop quietly if it refused the run).
+def prepare_in_world(cfg, run_dir: Path, world: distributed.World):
+    """(checkpoint to resume or None, tokenizer, train, valid). Rank 0 alone clears the directory,
+    checks what to resume and trains the tokenizer; the others then read what it decided (and
+    stop quietly if it refused the run)."""
     resumed, failure = None, None
     if world.is_main:
         try:
@@ -229,6 +217,24 @@ def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.dev
     if not world.is_main:
         resumed = checkpoint.load(resume_file) if resume_file else None
         tokenizer, train, valid = prepare_data(cfg, run_dir, Tokenizer.load(run_dir / "spm.model"), save=False)
+    return resumed, tokenizer, train, valid
+
+
+def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.device) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+    if cfg.trainer.deterministic:
+        make_deterministic()
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    log.info(
+        "run directory %s, device %s, autocast %s%s",
+        run_dir,
+        device,
+        autocast_dtype(cfg.trainer.precision, device),
+        f", {world.size} processes" if world.distributed else "",
+    )
+    resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world)
     model = build_model(cfg, tokenizer, device)
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:

@@ -14,7 +14,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import checkpoint
@@ -23,6 +22,7 @@ from .decoding import translate_ids
 from .distributed import World
 from .errors import TrainingStopped
 from .evaluation import score
+from .losses import inverse_sqrt_lr, label_smoothed_loss, smoothed_cross_entropy, symmetric_kl
 from .model import Transformer
 from .monitoring import Monitor, progress_bar
 from .plotting import attention_figures
@@ -99,46 +99,6 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         else:
             precision = "bf16" if cpu_has_amx() else "fp32"
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
-def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
-    """Linear warmup to `peak`, then decay with 1/sqrt(step).
-
-    With peak = d_model^-0.5 * warmup^-0.5 this is the paper's
-    lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
-    """
-    step = max(step, 1)
-    return peak * min(step / warmup, math.sqrt(warmup / step))
-
-
-def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float) -> tuple[Tensor, Tensor]:
-    """Summed over non-padding tokens: (label-smoothed loss, plain negative log-likelihood).
-
-    The smoothed target puts 1 - smoothing on the reference token and spreads `smoothing`
-    uniformly over the vocabulary.
-    """
-    lprobs = F.log_softmax(logits.float(), dim=-1)  # (batch, len, vocab)
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    uniform = -lprobs.mean(-1)
-    keep = target != pad_id
-    loss = ((1.0 - smoothing) * nll + smoothing * uniform).masked_fill(~keep, 0.0).sum()
-    return loss, nll.masked_fill(~keep, 0.0).sum()
-
-
-def smoothed_cross_entropy(logits: Tensor, target: Tensor, pad_id: int, smoothing: float) -> Tensor:
-    """The label-smoothed loss of `label_smoothed_loss`, summed, computed by torch's fused
-    cross-entropy: no (tokens, vocab) temporaries beyond the log-probabilities. Used in training."""
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), target.flatten(), ignore_index=pad_id, label_smoothing=smoothing, reduction="sum"
-    )
-
-
-def symmetric_kl(logits_a: Tensor, logits_b: Tensor, keep: Tensor) -> Tensor:
-    """R-Drop's regularizer (Liang et al. 2021): (KL(p_a || p_b) + KL(p_b || p_a)) / 2, summed over
-    the target positions where `keep` is True. logits: (batch, len, vocab); keep: (batch, len)."""
-    a, b = F.log_softmax(logits_a.float(), dim=-1), F.log_softmax(logits_b.float(), dim=-1)
-    kl = (a.exp() * (a - b) + b.exp() * (b - a)).sum(-1) / 2
-    return kl.masked_fill(~keep, 0.0).sum()
 
 
 # --- The trainer --------------------------------------------------------------------------------
