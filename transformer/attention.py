@@ -15,14 +15,20 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
+def expand_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query: repeat each key/value head for the group of query heads it serves."""
+    if k.size(1) == q.size(1):
+        return k, v
+    group = q.size(1) // k.size(1)
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float):
     """The explicit softmax(QK^T / sqrt(d_head)) V, returning the weights too (for inspection).
 
     q: (batch, heads, q_len, d_head); k, v: (batch, kv_heads, k_len, d_head).
     """
-    if k.size(1) != q.size(1):  # grouped-query: each key/value head serves a group of query heads
-        k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-        v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+    k, v = expand_kv_heads(q, k, v)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (batch, heads, q_len, k_len)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention, Rotary
+from .attention import MultiHeadAttention, Rotary, expand_kv_heads
 
 ATTENTION_KINDS = ("standard", "moh", "dcmha", "overlap")
 
@@ -202,9 +202,7 @@ class DCMHAttention(MultiHeadAttention):
         return key_w
 
     def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):
-        if k.size(1) != q.size(1):
-            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        k, v = expand_kv_heads(q, k, v)
         q_pre, q_post = self.query_weights(query)
         k_pre, k_post = self.key_dynamic(source, state, static_kv).split(self.pre.n_dynamic, dim=-1)
         scores = self.pre(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), q_pre, k_pre)
