@@ -4,7 +4,7 @@ n-best lists, seeded sampling, ensembles and checkpoint averaging."""
 import pytest
 import torch
 
-from transformer import checkpoint
+from transformer import checkpoint, decoding
 from transformer.data import pad
 from transformer.decoder_models import Ensemble, Uncached
 from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler
@@ -58,6 +58,26 @@ def test_a_sentence_decodes_the_same_alone_and_in_a_padded_batch_of_64():
         alone = beam_search(model, batch([sents[i]]), BOS, EOS, cfg)[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[i]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in together[i]], abs=1e-4)
+
+
+def test_dropping_finished_sentences_from_the_batch_changes_no_result(monkeypatch):
+    model, src = make_model(), batch(sources(64))
+    cfg = DecodeConfig(beam_size=4, n_best=2)
+    prunes, worth_pruning = [], decoding.worth_pruning
+
+    def counting(n_done: int, n_rows: int) -> bool:
+        prunes.append(worth_pruning(n_done, n_rows))
+        return prunes[-1]
+
+    monkeypatch.setattr(decoding, "worth_pruning", counting)
+    pruned = beam_search(model, src, BOS, EOS, cfg), greedy(model, src, BOS, EOS, cfg)
+    assert sum(prunes) >= 4  # both searches dropped sentences, more than once
+    monkeypatch.setattr(decoding, "worth_pruning", lambda n_done, n_rows: False)
+    kept = beam_search(model, src, BOS, EOS, cfg), greedy(model, src, BOS, EOS, cfg)
+    assert [[h.tokens for h in n_best] for n_best in pruned[0]] == [[h.tokens for h in n_best] for n_best in kept[0]]
+    for a, b in zip(pruned[0], kept[0]):
+        assert [h.score for h in a] == pytest.approx([h.score for h in b], abs=1e-4)
+    assert pruned[1] == kept[1]
 
 
 def test_n_best_lists_are_sorted_distinct_and_scored_with_the_length_penalty():

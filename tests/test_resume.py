@@ -43,19 +43,24 @@ def start_and_wait(cmd, run_dir, min_step: int) -> subprocess.Popen:
 
 
 def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus):
+    # The linear schedule's decay depends on where warmup ended: the resumed run must restore it.
+    schedule = ["trainer.max_steps=40", "trainer.schedule=linear", "trainer.warmup_steps=5"]
     full = tmp_path / "full"
-    done = subprocess.run(command(full, tiny_corpus, "trainer.max_steps=40"), cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(command(full, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in records if "lr" in r}
+    for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup to 0 at max_steps
+        assert lr[step] == pytest.approx(lr[5] * (40 - step) / (40 - 5), abs=1e-12)
+    assert lr[3] == pytest.approx(lr[5] * 3 / 5)
 
     killed = tmp_path / "killed"
-    proc = start_and_wait(command(killed, tiny_corpus, "trainer.max_steps=40"), killed, min_step=24)
+    proc = start_and_wait(command(killed, tiny_corpus, *schedule), killed, min_step=24)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     resumed_from = checkpoint.load(killed / "checkpoint_last.pt")["step"]
     assert resumed_from in (20, 30)
-    again = subprocess.run(
-        command(killed, tiny_corpus, "trainer.max_steps=40"), cwd=ROOT, capture_output=True, text=True
-    )
+    again = subprocess.run(command(killed, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed at step {resumed_from}" in again.stdout
 

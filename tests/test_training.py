@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from transformer.data import collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
-from transformer.losses import inverse_sqrt_lr, label_smoothed_loss
+from transformer.losses import inverse_sqrt_lr, label_smoothed_loss, scheduled_lr
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
 
@@ -20,6 +20,26 @@ def test_schedule_is_the_papers_formula():
         paper = d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
         assert inverse_sqrt_lr(step, peak, warmup) == pytest.approx(paper)
     assert max(range(1, 10000), key=lambda s: inverse_sqrt_lr(s, 1.0, warmup)) == warmup
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_budget_schedules_warm_up_like_the_paper_then_reach_zero_at_the_end(schedule):
+    peak, warmup, warmup_progress = 1e-3, 500, 0.2
+
+    def lr(step, progress):
+        return scheduled_lr(schedule, step, peak, warmup, progress, warmup_progress)
+
+    for step in (1, 250, 499):
+        assert lr(step, step / 2500) == pytest.approx(inverse_sqrt_lr(step, peak, warmup))
+    assert lr(warmup, warmup_progress) == pytest.approx(peak)
+    assert lr(2000, 0.6) == pytest.approx(peak / 2)  # both are at half the peak halfway through the decay
+    assert lr(2500, 1.0) == pytest.approx(0.0, abs=1e-15)
+    decay = [lr(600 + i, p) for i, p in enumerate(torch.linspace(0.2, 1.0, 50).tolist())]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_the_inverse_sqrt_schedule_ignores_the_budget():
+    assert scheduled_lr("inverse_sqrt", 2000, 1e-3, 500, 0.9, 0.1) == inverse_sqrt_lr(2000, 1e-3, 500)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

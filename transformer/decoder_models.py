@@ -22,7 +22,7 @@ from .model import DecoderState, Transformer
 class PrefixState:
     tokens: Tensor | None = None  # (batch, tokens so far)
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
         self.tokens = self.tokens.index_select(0, index)
 
 
@@ -48,9 +48,9 @@ class Uncached:
 class EnsembleState:
     states: list[DecoderState] = field(default_factory=list)
 
-    def reorder(self, index: Tensor) -> None:
+    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
         for state in self.states:
-            state.reorder(index)
+            state.reorder(index, same_sources)
 
 
 class Ensemble:

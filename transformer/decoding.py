@@ -88,19 +88,37 @@ def expand(memory, times: int):
 # --- Greedy and sampling: one token per sentence per step ---------------------------------------
 
 
+def select(memory, rows: Tensor):
+    """The encoder output of the batch rows `rows` (a tensor, or a list for ensembles)."""
+    if isinstance(memory, Tensor):
+        return memory.index_select(0, rows)
+    return [select(m, rows) for m in memory]
+
+
+def worth_pruning(n_done: int, n_rows: int) -> bool:
+    """Whether to drop finished sentences from the batch now. Dropping copies every cache, so it
+    waits until a quarter of the rows are finished: at most a few dozen copies per batch."""
+    return n_done > 0 and 4 * n_done >= n_rows
+
+
 @torch.no_grad()
 def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, choose: Callable) -> list[Hypothesis]:
-    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length."""
+    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length.
+
+    Finished sentences leave the batch (see `worth_pruning`), so later steps only pay for the
+    sentences still being translated."""
     src_mask = padding_mask(src, model.cfg.pad_id)
     memory, _ = model.encode(src, src_mask)
     max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)
     tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
     log_prob = torch.zeros(src.size(0), device=src.device)
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+    sentence = torch.arange(src.size(0), device=src.device)  # the input sentence of each row
+    out: list[Hypothesis] = [Hypothesis([], 0.0, 0.0)] * src.size(0)
     state = model.new_state()
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (batch, vocab)
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (rows, vocab)
         if step < cfg.min_len:
             lprobs[:, eos_id] = -math.inf
         next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
@@ -108,10 +126,18 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
         log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == eos_id
-        if done.all():
-            break
-    hyps = [strip_special(row, eos_id) for row in tokens[:, 1:].tolist()]
-    return [Hypothesis(h, lp, lp) for h, lp in zip(hyps, log_prob.tolist())]
+        n_done = int(done.sum())
+        if n_done == done.numel() or worth_pruning(n_done, done.numel()):
+            for row in done.nonzero().flatten().tolist():
+                lp = float(log_prob[row])
+                out[int(sentence[row])] = Hypothesis(strip_special(tokens[row, 1:].tolist(), eos_id), lp, lp)
+            if n_done == done.numel():
+                break
+            rows = (~done).nonzero().flatten()
+            tokens, log_prob, max_len, sentence = tokens[rows], log_prob[rows], max_len[rows], sentence[rows]
+            memory, src_mask, done = select(memory, rows), src_mask[rows], done[rows]
+            state.reorder(rows)
+    return out  # the last step ends every sentence: max_len forces EOS
 
 
 def argmax(lprobs: Tensor) -> Tensor:
@@ -164,25 +190,35 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     scores = torch.full((batch, k), -math.inf, device=src.device)  # log-probability of each live beam
     scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    sentence = list(range(batch))  # the input sentence of each sentence still in the batch
     done = torch.zeros(batch, dtype=torch.bool)
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         rows_max_len = max_len.repeat_interleave(k).to(src.device)
         lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len)
         vocab = lprobs.size(-1)
-        top, index = (scores.view(-1, 1) + lprobs).view(batch, -1).topk(2 * k, dim=1)  # (batch, 2k)
+        top, index = (scores.view(-1, 1) + lprobs).view(len(sentence), -1).topk(2 * k, dim=1)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
         ends = (token == eos_id) & top.isfinite()
-        add_finished(finished, done, top, beam, ends, tokens, k, cfg)
+        present = [finished[i] for i in sentence]
+        add_finished(present, done, top, beam, ends, tokens, k, cfg)
         # The best k candidates that do not end in EOS continue (a stable sort keeps their order).
         keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
         scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
-        rows = (torch.arange(batch, device=src.device)[:, None] * k + beam).view(-1)
-        state.reorder(rows)
-        tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
-        done |= search_done(finished, scores.cpu(), max_len, step, k, cfg.length_penalty)
+        done |= search_done(present, scores.cpu(), max_len, step, k, cfg.length_penalty)
         if done.all():
             break
+        rows = torch.arange(len(sentence), device=src.device)[:, None] * k + beam  # (sentences, k)
+        if worth_pruning(int(done.sum()), len(sentence)):  # finished sentences leave the batch
+            live = (~done).nonzero().flatten()
+            sentence, done, live = [sentence[i] for i in live.tolist()], done[live], live.to(src.device)
+            rows, scores, token, max_len = rows[live].view(-1), scores[live], token[live], max_len[live]
+            memory, src_mask = select(memory, rows), src_mask[rows]
+            state.reorder(rows)
+        else:
+            rows = rows.view(-1)
+            state.reorder(rows, same_sources=True)  # beams move within their sentence
+        tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
 
 

@@ -20,6 +20,32 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
     return peak * min(step / warmup, math.sqrt(warmup / step))
 
 
+SCHEDULES = ("inverse_sqrt", "linear", "cosine")
+
+
+def scheduled_lr(schedule: str, step: int, peak: float, warmup: int, progress: float, warmup_progress: float) -> float:
+    """The learning rate of `schedule` at optimizer step `step` (1-based).
+
+    inverse_sqrt is the paper's schedule (`inverse_sqrt_lr`); it ignores the budget. linear and
+    cosine warm up the same way, then decay from `peak` to 0 over the rest of the training
+    budget: `progress` is the fraction of the budget used so far and `warmup_progress` the
+    fraction used when warmup ended. A run stopped by its budget (steps, epochs or minutes)
+    thus ends at a learning rate of 0, which anneals its last weights the way checkpoint
+    averaging does, but without the lag of averaging older checkpoints.
+    """
+    if schedule == "inverse_sqrt":
+        return inverse_sqrt_lr(step, peak, warmup)
+    if step < warmup:
+        return peak * max(step, 1) / warmup
+    decay = (progress - warmup_progress) / max(1.0 - warmup_progress, 1e-9)
+    decay = min(max(decay, 0.0), 1.0)
+    if schedule == "linear":
+        return peak * (1.0 - decay)
+    if schedule == "cosine":
+        return peak * 0.5 * (1.0 + math.cos(math.pi * decay))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
 def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float) -> tuple[Tensor, Tensor]:
     """Summed over non-padding tokens: (label-smoothed loss, plain negative log-likelihood).
 

@@ -276,10 +276,16 @@ class DecoderState:
     layers: list[dict] = field(default_factory=list)
     length: int = 0  # target tokens already decoded; the next token's position
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep the batch rows in `index` (in that order), e.g. the surviving beams."""
+    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
+        """Keep the batch rows in `index` (in that order), e.g. the surviving beams.
+
+        same_sources: every new row decodes the same source sentence as the old row at its
+        position (beam search moving hypotheses between the beams of one sentence), so the
+        cross-attention cache, a function of the source alone, stays as it is: no copy."""
         for layer in self.layers:
-            for attn in layer.values():
+            for kind, attn in layer.items():
+                if same_sources and kind == "cross":
+                    continue
                 for name, tensor in attn.items():
                     attn[name] = tensor.index_select(0, index)
 

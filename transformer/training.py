@@ -1,4 +1,4 @@
-"""The training loop: Adam with the paper's warmup schedule, label-smoothed cross-entropy,
+"""The training loop: Adam with a warmup schedule (the paper's, or a decay to the end of the budget), label-smoothed cross-entropy,
 periodic validation (loss and greedy BLEU), last/best checkpoints and early stopping."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .decoding import translate_ids
 from .distributed import World
 from .errors import TrainingStopped
 from .evaluation import score
-from .losses import inverse_sqrt_lr, label_smoothed_loss, smoothed_cross_entropy, symmetric_kl
+from .losses import SCHEDULES, label_smoothed_loss, scheduled_lr, smoothed_cross_entropy, symmetric_kl
 from .model import Transformer
 from .monitoring import Monitor, progress_bar
 from .plotting import attention_figures
@@ -40,6 +40,9 @@ class TrainerConfig:
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     lr: float = 7e-4  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 4000
+    schedule: str = (
+        "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine decay to 0 at the end of the budget
+    )
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-9
     weight_decay: float = 0.0
@@ -65,6 +68,8 @@ class TrainerConfig:
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
         if self.accumulate < 1 or self.eval_every < 1 or self.log_every < 1 or self.warmup_steps < 1:
@@ -115,6 +120,7 @@ class TrainState:
     train_tokens: int = 0  # non-padding source + target tokens seen
     train_seconds: float = 0.0  # wall time of the loop, validation included
     valid_seconds: float = 0.0  # of which validation
+    warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
 
 
 class Trainer:
@@ -161,6 +167,8 @@ class Trainer:
         self.step_tokens = torch.zeros(())  # source + target tokens of the last step, over all ranks
         self.grad_norm = torch.zeros(())
         self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
+        self.started = time.monotonic()  # the training clock's zero (set again by fit, for resumed runs)
+        self.epoch_size = 1  # batches in the current epoch on this rank
 
     # ---- batches
 
@@ -182,6 +190,7 @@ class Trainer:
         """Yields batches forever, tracking the epoch and the position inside it."""
         while True:
             batches = self.rank_batches(self.state.epoch)
+            self.epoch_size = len(batches)
             while self.state.batch_in_epoch < len(batches):
                 indices = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
@@ -197,12 +206,17 @@ class Trainer:
         Returns the mean loss per target token, or None when the update was skipped because the
         loss or the gradients were not finite."""
         self.model.train()
+        seconds = time.monotonic() - self.started
         counts = torch.tensor(
-            [sum(b.n_tgt_tokens for b in batches), sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)],
-            dtype=torch.float,
+            [
+                sum(b.n_tgt_tokens for b in batches),
+                sum(b.n_src_tokens + b.n_tgt_tokens for b in batches),
+                seconds / self.world.size,  # ranks average their clocks, so they agree on the learning rate
+            ],
+            dtype=torch.float64,
             device=self.device,
         )
-        n_tokens, self.step_tokens = self.world.sum(counts).unbind()  # over all ranks
+        n_tokens, self.step_tokens, seconds = self.world.sum(counts).float().unbind()  # over all ranks
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             with self.synchronizing_gradients(last=i == len(batches) - 1):
@@ -217,12 +231,31 @@ class Trainer:
             self.scaler.update()
             return None
         self.state.step += 1
+        lr = self.learning_rate(float(seconds) if self.world.distributed else seconds)
         for group in self.optimizer.param_groups:
-            group["lr"] = inverse_sqrt_lr(self.state.step, self.tcfg.lr, self.tcfg.warmup_steps)
+            group["lr"] = lr
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return total / n_tokens
+
+    def progress(self, seconds: float) -> float:
+        """The fraction of the training budget used: of the steps, epochs or minutes, whichever
+        limit is nearest."""
+        t, state = self.tcfg, self.state
+        used = [state.step / t.max_steps]
+        if t.max_minutes:
+            used.append(seconds / (60 * t.max_minutes))
+        if t.max_epochs:
+            used.append((state.epoch - 1 + state.batch_in_epoch / max(self.epoch_size, 1)) / t.max_epochs)
+        return min(max(used), 1.0)
+
+    def learning_rate(self, seconds: float) -> float:
+        t = self.tcfg
+        progress = self.progress(seconds)
+        if self.state.step == t.warmup_steps:
+            self.state.warmup_progress = progress
+        return scheduled_lr(t.schedule, self.state.step, t.lr, t.warmup_steps, progress, self.state.warmup_progress)
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
@@ -380,6 +413,7 @@ class Trainer:
 
     def fit(self) -> None:
         started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
+        self.started = started
         stream, window = self.batch_stream(), Throughput()
         reason, interrupted = self.stop_reason(started), False
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
