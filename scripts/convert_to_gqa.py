@@ -37,10 +37,11 @@ from transformer.cli import parse_args, setup_logging
 from transformer.config import Config, ConfigError, exit_on_user_error, to_config
 from transformer.data import collate, load_split, token_batches, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
+from transformer.devices import pick_device
 from transformer.evaluation import score
 from transformer.experiment import prepare_data
 from transformer.gqa import convert_to_gqa, kv_cache_bytes_per_token
-from transformer.training import Trainer, pick_device
+from transformer.training import Trainer
 
 log = logging.getLogger("convert_to_gqa")
 

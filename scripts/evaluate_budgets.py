@@ -29,8 +29,8 @@ from omegaconf import OmegaConf
 from transformer import checkpoint
 from transformer.cli import parse_args, setup_logging
 from transformer.config import ConfigError, exit_on_user_error, to_config
+from transformer.devices import pick_device
 from transformer.experiment import evaluate_tests
-from transformer.training import pick_device
 
 
 @dataclass

@@ -31,7 +31,7 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
     """(device, the model to decode with: one checkpoint or an Ensemble, its tokenizer, the first payload)."""
     from .checkpoint import load_model
     from .decoder_models import Ensemble
-    from .training import pick_device
+    from .devices import pick_device
 
     device = pick_device(device_name)
     model, tokenizer, payload = load_model(Path(checkpoint), device)

@@ -16,11 +16,16 @@ evaluates; the others wait for it.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .errors import TrainingStopped
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,26 @@ class World:
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def agree(self, reason: str | None, interrupted: bool, device: torch.device) -> tuple[str | None, bool]:
+        """Ranks stop together: when one reaches its budget or gets a signal, all do."""
+        if not self.distributed:
+            return reason, interrupted
+        flags = torch.tensor([float(reason is not None), float(interrupted)], device=device)
+        self.sum(flags)
+        if flags[0] > 0 and reason is None:
+            reason = "another rank reached its budget"
+        return reason, bool(flags[1] > 0)
+
+    def check_identical(self, model: torch.nn.Module) -> None:
+        """Data parallelism must leave every rank with the same weights; compare fingerprints."""
+        with torch.no_grad():
+            fingerprint = torch.stack([p.double().sum() for p in model.parameters()])
+            gathered = [torch.empty_like(fingerprint) for _ in range(self.size)]
+            dist.all_gather(gathered, fingerprint)
+        if any(not torch.equal(g, gathered[0]) for g in gathered):
+            raise TrainingStopped(f"the weights of the {self.size} processes diverged", exit_code=3)
+        log.info("all %d processes hold identical weights", self.size)
 
     def broadcast(self, value):
         """Rank 0's value of a picklable object, on every rank."""

@@ -28,11 +28,12 @@ from .data import (
     write_lines,
 )
 from .decoding import translate_corpus
+from .devices import autocast_dtype, pick_device
 from .evaluation import score
 from .model import Transformer, count_parameters
 from .resume import check_compatible, clear_run, make_deterministic, resume_path
 from .tokenizer import Tokenizer
-from .training import Trainer, autocast_dtype, pick_device, to_plain
+from .training import Trainer, to_plain
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,21 @@
 """What a run reports while it trains: TensorBoard scalars, texts, attention images and hparams,
-a metrics.jsonl file with the same numbers, and a progress bar on stderr when it is a terminal."""
+a metrics.jsonl file with the same numbers, a progress bar on stderr when it is a terminal, and
+the training throughput behind the numbers."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
+
+if TYPE_CHECKING:
+    from .data import Batch
 
 
 def progress_bar(total: int, desc: str, unit: str = "sent", initial: int = 0):
@@ -136,3 +143,27 @@ class Monitor:
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+
+
+class Throughput:
+    """Mean training loss and source+target tokens per second since the last flush.
+
+    The loss stays on the device until `flush`, so logging costs one host sync per interval.
+    """
+
+    def __init__(self):
+        self.start, self.tokens, self.padded, self.loss, self.steps = time.monotonic(), 0, 0, 0.0, 0
+
+    def add(self, batches: list[Batch], loss: Tensor, tokens: int) -> None:
+        """tokens: the step's non-padding source + target tokens (over all ranks when distributed)."""
+        self.tokens += tokens
+        self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
+        self.loss = self.loss + loss.detach()
+        self.steps += 1
+
+    def flush(self) -> tuple[float, float, float]:
+        """(mean loss, tokens per second, fraction of padding) of the interval; starts a new one."""
+        loss, tok_per_s = float(self.loss) / max(self.steps, 1), self.tokens / (time.monotonic() - self.start)
+        padding = 1.0 - self.tokens / max(self.padded, 1)
+        self.__init__()
+        return loss, tok_per_s, padding

@@ -19,18 +19,17 @@ from torch import Tensor
 from . import checkpoint
 from .data import Batch, TokenizedCorpus, collate, token_batches
 from .decoding import translate_ids
+from .devices import PRECISIONS, autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
 from .evaluation import score
 from .losses import SCHEDULES, label_smoothed_loss, scheduled_lr, smoothed_cross_entropy, symmetric_kl
 from .model import Transformer
-from .monitoring import Monitor, progress_bar
+from .monitoring import Monitor, Throughput, progress_bar
 from .plotting import attention_figures
 from .resume import GracefulStop, rng_states, set_rng_states
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -78,32 +77,6 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.average_last={self.average_last} needs trainer.keep_last >= it, not {self.keep_last}"
             )
-
-
-# --- Device, precision, schedule, loss ----------------------------------------------------------
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_amx() -> bool:
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype matrix products run in under autocast; None means plain fp32."""
-    if precision == "auto":
-        if device.type == "cuda":
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "bf16" if cpu_has_amx() else "fp32"
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 # --- The trainer --------------------------------------------------------------------------------
@@ -432,7 +405,7 @@ class Trainer:
                 self.state.train_tokens += tokens
                 if self.state.step % self.tcfg.log_every == 0:
                     self.log_progress(window)
-                reason, interrupted = self.agree(self.stop_reason(started), stop.requested)
+                reason, interrupted = self.world.agree(self.stop_reason(started), stop.requested, self.device)
                 if self.state.step % self.tcfg.eval_every == 0 or reason is not None:
                     reason = self.validate_and_save(started) or reason
             self.state.train_seconds = time.monotonic() - started
@@ -448,26 +421,7 @@ class Trainer:
                 )
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
         if self.world.distributed:
-            self.check_ranks_agree()
-
-    def check_ranks_agree(self) -> None:
-        """Data parallelism must leave every rank with the same weights; compare fingerprints."""
-        with torch.no_grad():
-            fingerprint = torch.stack([p.double().sum() for p in self.model.parameters()])
-            gathered = [torch.empty_like(fingerprint) for _ in range(self.world.size)]
-            torch.distributed.all_gather(gathered, fingerprint)
-        if any(not torch.equal(g, gathered[0]) for g in gathered):
-            raise TrainingStopped(f"the weights of the {self.world.size} processes diverged", exit_code=3)
-        log.info("all %d processes hold identical weights", self.world.size)
-
-    def agree(self, reason: str | None, interrupted: bool) -> tuple[str | None, bool]:
-        """Ranks stop together: when one reaches its budget or gets a signal, all do."""
-        if not self.world.distributed:
-            return reason, interrupted
-        flags = self.world.sum(torch.tensor([float(reason is not None), float(interrupted)], device=self.device))
-        if flags[0] > 0 and reason is None:
-            reason = "another rank reached its budget"
-        return reason, bool(flags[1] > 0)
+            self.world.check_identical(self.model)
 
     def validate_and_save(self, started: float) -> str | None:
         """Validate, save checkpoints; returns a stop reason when early stopping says so.
@@ -497,30 +451,6 @@ class Trainer:
             "step %d epoch %d: loss %.3f lr %.2e %.0f tok/s",
             self.state.step, self.state.epoch, loss, lr, tok_per_s,
         )  # fmt: skip
-
-
-class Throughput:
-    """Mean training loss and source+target tokens per second since the last flush.
-
-    The loss stays on the device until `flush`, so logging costs one host sync per interval.
-    """
-
-    def __init__(self):
-        self.start, self.tokens, self.padded, self.loss, self.steps = time.monotonic(), 0, 0, 0.0, 0
-
-    def add(self, batches: list[Batch], loss: Tensor, tokens: int) -> None:
-        """tokens: the step's non-padding source + target tokens (over all ranks when distributed)."""
-        self.tokens += tokens
-        self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
-        self.loss = self.loss + loss.detach()
-        self.steps += 1
-
-    def flush(self) -> tuple[float, float, float]:
-        """(mean loss, tokens per second, fraction of padding) of the interval; starts a new one."""
-        loss, tok_per_s = float(self.loss) / max(self.steps, 1), self.tokens / (time.monotonic() - self.start)
-        padding = 1.0 - self.tokens / max(self.padded, 1)
-        self.__init__()
-        return loss, tok_per_s, padding
 
 
 def to_plain(cfg) -> dict:

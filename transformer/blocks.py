@@ -1,0 +1,143 @@
+"""The pieces of a Transformer layer around attention: token embeddings, the three ways of
+giving positions, the position-wise feed-forward networks and Add & Norm (residual connection
+plus LayerNorm or RMSNorm). model.py assembles them; attention is in attention.py."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
+
+
+# --- Embeddings and positions -------------------------------------------------------------------
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids -> vectors scaled by sqrt(d_model), so they are not drowned by the positions."""
+
+    def __init__(self, vocab_size: int, d_model: int, pad_id: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+        nn.init.zeros_(self.embed.weight[pad_id])
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.embed(tokens) * self.scale
+
+
+class SinusoidalPositions(nn.Module):
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), added to the embeddings."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        pos = torch.arange(max_positions, dtype=torch.float)[:, None]
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_positions, d_model)
+        table[:, 0::2] = torch.sin(pos * inv_freq)
+        table[:, 1::2] = torch.cos(pos * inv_freq)
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + self.table[offset : offset + x.size(1)].to(x.dtype)
+
+
+class NoPositions(nn.Module):
+    """With rotary positions, order enters inside self-attention; nothing is added here."""
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position, added to the embeddings."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        self.embed = nn.Embedding(max_positions, d_model)
+        nn.init.normal_(self.embed.weight, std=d_model**-0.5)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + self.embed.weight[offset : offset + x.size(1)]
+
+
+# --- Feed-forward network and Add & Norm ----------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately (GELU in
+    place of max(0, .) with activation="gelu")."""
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
+        super().__init__()
+        self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(activation_dropout)
+        self.activation = F.gelu if activation == "gelu" else F.relu
+        for linear in (self.linear1, self.linear2):
+            nn.init.xavier_uniform_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+class SwiGLUFeedForward(nn.Module):
+    """FFN(x) = (SiLU(x W_gate) * x W_up) W_down (Shazeer 2020), without biases.
+
+    Three matrices instead of two, so the hidden size is 2/3 of d_ff (rounded to a multiple
+    of 8) to keep the parameter count of the ReLU network.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
+        super().__init__()
+        hidden = max(8, round(2 * d_ff / 3 / 8) * 8)
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
+        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.dropout = nn.Dropout(activation_dropout)
+        for linear in (self.gate_up, self.down):
+            nn.init.xavier_uniform_(linear.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.dropout(F.silu(gate) * up))
+
+
+def feed_forward(cfg: ModelConfig) -> nn.Module:
+    if cfg.activation == "swiglu":
+        return SwiGLUFeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+
+
+def make_norm(kind: str, d_model: int) -> nn.Module:
+    """LayerNorm (mean and variance) or RMSNorm (root mean square only, no bias; Zhang & Sennrich 2019)."""
+    return nn.RMSNorm(d_model) if kind == "rmsnorm" else nn.LayerNorm(d_model)
+
+
+class AddNorm(nn.Module):
+    """Residual connection and LayerNorm around a sublayer.
+
+    Post-norm (the paper): x = LayerNorm(x + Dropout(sublayer(x))).
+    Pre-norm:              x = x + Dropout(sublayer(LayerNorm(x))).
+    A layer calls `before(x)` to get the sublayer's input and `after(x, y)` with its output y.
+    """
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: str = "layernorm"):
+        super().__init__()
+        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), nn.Dropout(dropout), norm_first
+
+    def before(self, x: Tensor) -> Tensor:
+        return self.norm(x) if self.norm_first else x
+
+    def after(self, x: Tensor, y: Tensor) -> Tensor:
+        x = x + self.dropout(y)
+        return x if self.norm_first else self.norm(x)
+
+
+def add_norm(cfg: ModelConfig) -> AddNorm:
+    return AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.norm)
