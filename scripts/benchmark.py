@@ -11,7 +11,9 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   ours-compile, ours-recompute   ours with trainer.compile / trainer.recompute (on request, e.g.
                 implementations=[ours,ours-compile,ours-recompute])
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS)
-is its own. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
+is its own. With rounds=R every measurement is repeated R times, the implementations taking
+turns in alternating order, and the median is reported with the spread: a machine whose speed
+drifts during the run (shared or throttled CPUs) then biases no implementation. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
 model FLOP/s as a fraction of the dense matmul peak measured in the same run, peak memory.
 """
 
@@ -48,6 +50,7 @@ class BenchConfig:
     implementations: list[str] = field(default_factory=lambda: list(IMPLEMENTATIONS))
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only where the CPU has AMX
     steps: int = 8  # timed steps, after 2 warm-up steps
+    rounds: int = 1  # repetitions of every measurement, interleaved; the median is reported
     max_tokens: int = 4096
     data_dir: str = "data/multi30k"
     output: Optional[str] = None
@@ -224,6 +227,15 @@ def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> di
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def median_row(runs: list[dict]) -> dict:
+    """The run with the median tokens/s, carrying every run's tokens/s and the largest peak memory."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in runs]
+    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    return row
+
+
 def available(impl: str) -> bool:
     if impl != "hf-marian":
         return True
@@ -273,14 +285,27 @@ def main(argv: list[str]) -> None:
     print(
         f"dense matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s; bf16 autocast measured: {has_bf16}"
     )
-    rows = []
-    for preset in cfg.presets:
-        for precision in precisions:
-            for impl in [i for i in cfg.implementations if available(i)]:
-                row = run_isolated(impl, preset, precision, cfg)
-                if row:
-                    rows.append(row)
+    impls = [i for i in cfg.implementations if available(i)]
+    runs: dict[tuple, list[dict]] = {}
+    for round_ in range(cfg.rounds):
+        if round_:
+            peaks = {
+                p: max(peaks[p], matmul_peak(dtype)) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+            }
+        for preset in cfg.presets:
+            for precision in precisions:
+                for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
+                    row = run_isolated(impl, preset, precision, cfg)
+                    if row:
+                        runs.setdefault((preset, precision, impl), []).append(row)
+    rows = [median_row(r) for r in runs.values()]
     print_table(rows, peaks)
+    if cfg.rounds > 1:
+        for row in rows:
+            spread = row["tokens_per_s_runs"]
+            print(
+                f"{row['preset']} {row['precision']} {row['implementation']}: tok/s of the {len(spread)} rounds {spread}"
+            )
     if cfg.output:
         Path(cfg.output).write_text(json.dumps({"hardware": info, "matmul_peak_gflops": peaks, "rows": rows}, indent=2))
 

@@ -12,12 +12,15 @@ against Hugging Face transformers' `generate` at the same model size.
    with random weights of the same dimensions, decode the same `peer_sentences` sources in one
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
+   Each pair is timed `rounds` times, taking turns in alternating order; the medians are
+   compared, so a machine whose speed drifts biases neither side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,6 +52,7 @@ class BenchConfig:
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
     peer_sentences: int = 64
     new_tokens: int = 30
+    rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
 
 
@@ -101,15 +105,26 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
             label = "greedy" if beams == 1 else f"beam{beams}"
             forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip
             cpu = torch.device("cpu")
-            ours_s, ours_out = timed(partial(translate_ids, ours, sources, tokenizer, forced, cpu), cpu)
+            ours_run = partial(translate_ids, ours, sources, tokenizer, forced, cpu)
+            hf_run = partial(hf_generate, theirs, src, beams, cfg.new_tokens)
+            ours_times, hf_times = [], []
+            for round_ in range(cfg.rounds):
+                for name in ("ours", "hf") if round_ % 2 == 0 else ("hf", "ours"):
+                    if name == "ours":
+                        seconds, ours_out = timed(ours_run, cpu)
+                        ours_times.append(seconds)
+                    else:
+                        seconds, hf_out = timed(hf_run, cpu)
+                        hf_times.append(seconds)
+            ours_s, hf_s = statistics.median(ours_times), statistics.median(hf_times)
             lengths = {len(h[0].tokens) + 1 for h in ours_out}
-            hf_s, hf_out = timed(partial(hf_generate, theirs, src, beams, cfg.new_tokens), cpu)
             hf_lengths = {hf_out.size(1) - 1}  # generated tokens, without the decoder start token
             for name, seconds, generated in (("ours", ours_s, lengths), (f"hf-marian {transformers.__version__}", hf_s, hf_lengths)):  # fmt: skip
                 rows.append({
                     "preset": preset, "strategy": label, "decoder": name, "seconds": seconds,
                     "sentences_per_s": len(sources) / seconds, "tokens_per_s": len(sources) * cfg.new_tokens / seconds,
                     "generated_lengths": sorted(generated),
+                    "seconds_of_rounds": [round(t, 3) for t in (ours_times if name == "ours" else hf_times)],
                 })  # fmt: skip
             rows[-2]["vs_hf"] = hf_s / ours_s
     return rows

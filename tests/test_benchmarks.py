@@ -7,9 +7,9 @@ import sys
 from .conftest import ROOT
 
 
-def test_training_benchmark_measures_ours_and_torch_on_the_same_batches(tmp_path):
+def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_rounds(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["presets=[small]", "implementations=[ours,torch]", "precisions=[fp32]", "steps=1", f"output={out}"]
+    args = ["presets=[small]", "implementations=[ours,torch]", "precisions=[fp32]", "steps=1", "rounds=2", f"output={out}"]
     result = subprocess.run(
         [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
@@ -21,4 +21,5 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches(tmp_path
         abs(rows["ours"]["parameters"] - rows["torch"]["parameters"]) / rows["torch"]["parameters"] < 0.01
     )  # same size
     assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
+    assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())  # one measurement per round
     assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
