@@ -12,6 +12,7 @@ against Hugging Face transformers' `generate` at the same model size.
    with random weights of the same dimensions, decode the same `peer_sentences` sources in one
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
+   Where the CPU has AMX, both also run under bf16 autocast (our decode.precision=bf16).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
 """
@@ -35,6 +36,7 @@ from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
+from transformer.devices import cpu_has_amx
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
 
@@ -52,6 +54,7 @@ class BenchConfig:
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
     peer_sentences: int = 64
     new_tokens: int = 30
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # part 2; bf16 only on CPUs with AMX
     rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
 
@@ -85,14 +88,33 @@ def hf_generate(model, src: torch.Tensor, beams: int, new_tokens: int) -> torch.
     )  # fmt: skip
 
 
+def race(runs: dict, rounds: int) -> dict[str, tuple[list[float], object]]:
+    """Time each callable `rounds` times, taking turns in alternating order: name -> (seconds, last result)."""
+    out = {name: ([], None) for name in runs}
+    names = list(runs)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            seconds, result = timed(runs[name], torch.device("cpu"))
+            out[name] = (out[name][0] + [seconds], result)
+    return out
+
+
+def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        return hf_generate(model, src, beams, new_tokens)
+
+
 def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:
-    """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences."""
+    """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences.
+    At bf16 (CPUs with AMX) both run under the same autocast; `vs hf` compares with HF at the
+    same precision, `vs hf fp32` with HF in fp32."""
     import transformers
 
     sources = sources[: cfg.peer_sentences]
-    eos = tokenizer.eos_id
+    eos, cpu = tokenizer.eos_id, torch.device("cpu")
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
-    rows = []
+    precisions = [p for p in cfg.precisions if p == "fp32" or cpu_has_amx()]
+    hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
@@ -102,39 +124,38 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
         torch.manual_seed(0)
         theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).eval()
         for strategy, beams in (("greedy", 1), ("beam", 5)):
-            label = "greedy" if beams == 1 else f"beam{beams}"
-            forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip
-            cpu = torch.device("cpu")
-            ours_run = partial(translate_ids, ours, sources, tokenizer, forced, cpu)
-            hf_run = partial(hf_generate, theirs, src, beams, cfg.new_tokens)
-            ours_times, hf_times = [], []
-            for round_ in range(cfg.rounds):
-                for name in ("ours", "hf") if round_ % 2 == 0 else ("hf", "ours"):
-                    if name == "ours":
-                        seconds, ours_out = timed(ours_run, cpu)
-                        ours_times.append(seconds)
-                    else:
-                        seconds, hf_out = timed(hf_run, cpu)
-                        hf_times.append(seconds)
-            ours_s, hf_s = statistics.median(ours_times), statistics.median(hf_times)
-            lengths = {len(h[0].tokens) + 1 for h in ours_out}
-            hf_lengths = {hf_out.size(1) - 1}  # generated tokens, without the decoder start token
-            for name, seconds, generated in (("ours", ours_s, lengths), (f"hf-marian {transformers.__version__}", hf_s, hf_lengths)):  # fmt: skip
-                rows.append({
-                    "preset": preset, "strategy": label, "decoder": name, "seconds": seconds,
-                    "sentences_per_s": len(sources) / seconds, "tokens_per_s": len(sources) * cfg.new_tokens / seconds,
-                    "generated_lengths": sorted(generated),
-                    "seconds_of_rounds": [round(t, 3) for t in (ours_times if name == "ours" else hf_times)],
-                })  # fmt: skip
-            rows[-2]["vs_hf"] = hf_s / ours_s
+            label, hf_fp32 = "greedy" if beams == 1 else f"beam{beams}", None
+            for precision in precisions:
+                forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9, precision=precision)  # fmt: skip
+                timings = race({
+                    "ours": partial(translate_ids, ours, sources, tokenizer, forced, cpu),
+                    hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
+                }, cfg.rounds)  # fmt: skip
+                lengths = {
+                    "ours": sorted({len(h[0].tokens) + 1 for h in timings["ours"][1]}),
+                    hf_name: [timings[hf_name][1].size(1) - 1],  # generated tokens, without the decoder start token
+                }
+                seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
+                hf_fp32 = hf_fp32 or seconds[hf_name]
+                for name in ("ours", hf_name):
+                    rows.append({
+                        "preset": preset, "strategy": label, "precision": precision, "decoder": name,
+                        "seconds": seconds[name], "seconds_of_rounds": [round(t, 3) for t in timings[name][0]],
+                        "sentences_per_s": len(sources) / seconds[name],
+                        "tokens_per_s": len(sources) * cfg.new_tokens / seconds[name],
+                        "generated_lengths": lengths[name],
+                    })  # fmt: skip
+                rows[-2]["vs_hf"] = seconds[hf_name] / seconds["ours"]
+                rows[-2]["vs_hf_fp32"] = hf_fp32 / seconds["ours"]
     return rows
 
 
 def print_peer_rows(rows: list[dict]) -> None:
-    print(f"{'preset':<7}{'strategy':<9}{'decoder':<24}{'sent/s':>9}{'tok/s':>9}{'vs hf':>8}  lengths")
+    print(f"{'preset':<7}{'strategy':<9}{'precision':<10}{'decoder':<24}{'sent/s':>9}{'tok/s':>9}{'vs hf':>8}{'vs hf fp32':>11}  lengths")  # fmt: skip
     for r in rows:
         ratio = f"{r['vs_hf']:.2f}x" if "vs_hf" in r else ""
-        print(f"{r['preset']:<7}{r['strategy']:<9}{r['decoder']:<24}{r['sentences_per_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>8}  {r['generated_lengths']}")  # fmt: skip
+        ratio32 = f"{r['vs_hf_fp32']:.2f}x" if "vs_hf_fp32" in r else ""
+        print(f"{r['preset']:<7}{r['strategy']:<9}{r['precision']:<10}{r['decoder']:<24}{r['sentences_per_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>8}{ratio32:>11}  {r['generated_lengths']}")  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

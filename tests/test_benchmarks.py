@@ -9,7 +9,14 @@ from .conftest import ROOT
 
 def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_rounds(tmp_path):
     out = tmp_path / "bench.json"
-    args = ["presets=[small]", "implementations=[ours,torch]", "precisions=[fp32]", "steps=1", "rounds=2", f"output={out}"]
+    args = [
+        "presets=[small]",
+        "implementations=[ours,torch]",
+        "precisions=[fp32]",
+        "steps=1",
+        "rounds=2",
+        f"output={out}",
+    ]
     result = subprocess.run(
         [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )

@@ -62,6 +62,8 @@ def test_unknown_key_is_refused_by_hydra():
         ("trainer.lr=fast", "trainer.lr"),
         ("model.n_heads=3", "model.d_model"),
         ("trainer.precision=fp8", "trainer.precision"),
+        ("trainer.schedule=constant", "trainer.schedule"),
+        ("decode.precision=fp8", "decode.precision"),
     ],
 )
 def test_wrong_value_names_the_key(override, key):

@@ -80,6 +80,21 @@ def test_dropping_finished_sentences_from_the_batch_changes_no_result(monkeypatc
     assert pruned[1] == kept[1]
 
 
+def test_bf16_decoding_runs_the_products_in_bf16_and_scores_in_fp32():
+    model, sents = make_model(), sources(6)
+    dtypes = []
+    model.decoder_layers[0].ffn.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    tokenizer = type("Ids", (), {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD})()
+    cfg = DecodeConfig(beam_size=3, n_best=2, precision="bf16")
+    n_best = decoding.translate_ids(model, sents, tokenizer, cfg, "cpu")
+    assert dtypes and set(dtypes) == {torch.bfloat16}
+    fp32 = decoding.translate_ids(model, sents, tokenizer, DecodeConfig(beam_size=3, n_best=2), "cpu")
+    assert all(isinstance(h.score, float) and h.score <= 0 for hyps in n_best for h in hyps)
+    # Rounding may change a close choice, but most sentences decode the same.
+    same = sum(a[0].tokens == b[0].tokens for a, b in zip(n_best, fp32))
+    assert same >= len(sents) // 2
+
+
 def test_n_best_lists_are_sorted_distinct_and_scored_with_the_length_penalty():
     model = make_model()
     cfg = DecodeConfig(beam_size=6, n_best=6, length_penalty=1.0)

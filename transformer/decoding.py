@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .data import TokenizedCorpus, pad, token_batches
+from .devices import PRECISIONS, autocast_dtype
 from .model import padding_mask
 
 log = logging.getLogger(__name__)
@@ -45,12 +46,15 @@ class DecodeConfig:
     top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
     top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
     seed: int = 1  # sampling
+    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with AMX and on GPUs
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"decode.strategy={self.strategy!r} is not one of {STRATEGIES}")
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"decode.precision={self.precision!r} is not one of {PRECISIONS}")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("decode.temperature must be > 0, decode.top_p in (0, 1], decode.top_k >= 0")
 
@@ -289,9 +293,13 @@ def translate_ids(
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     out: list[list[Hypothesis]] = [[] for _ in sources]
     per_sentence = cfg.beam_size if cfg.strategy == "beam" else 1
+    device = torch.device(device)
+    amp = autocast_dtype(cfg.precision, device)  # scores and log-probabilities stay fp32 either way
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
-        for i, hyps in zip(indices, decode_batch(model, src, tokenizer, cfg, generator)):
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            n_best = decode_batch(model, src, tokenizer, cfg, generator)
+        for i, hyps in zip(indices, n_best):
             out[i] = hyps
         if progress is not None:
             progress.update(len(indices))
