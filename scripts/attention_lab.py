@@ -120,10 +120,11 @@ def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
     }
 
 
-def markdown(rows: list[dict], conversions: dict[str, dict]) -> str:
+def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -> str:
     minutes = max((r["train_minutes"] for r in rows), default=0.0)
+    recipe = "the default recipe" + (f" with `{' '.join(extra)}`" if extra else "")
     lines = [
-        f"Multi30k de-en, {minutes:.0f} minutes of training each on the same 2-core CPU, model/small otherwise; "
+        f"Multi30k de-en, {minutes:.0f} minutes of training each on the same 2-core CPU, {recipe}, model/small otherwise; "
         "validation BLEU: greedy, best checkpoint; test: test_2016_flickr, beam 5, sacreBLEU "
         f"`{rows[0]['signature'] if rows else ''}`; KV cache: decoder self-attention keys and values per "
         "generated token, fp32.",
@@ -181,7 +182,7 @@ def main(argv: list[str]) -> None:
         path = out / "conversions" / f"{name}.json"
         if path.is_file():
             conversions[name] = json.loads(path.read_text())
-    table = markdown(rows, conversions)
+    table = markdown(rows, conversions, cfg.extra)
     (out / "summary.json").write_text(json.dumps({"rows": rows, "conversions": conversions}, indent=2) + "\n")
     doc = ROOT / cfg.doc
     text = doc.read_text()
