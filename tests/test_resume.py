@@ -69,6 +69,20 @@ def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus)
     assert later and max(abs(expected[s] - got[s]) for s in later) == 0.0
 
 
+def test_a_wall_clock_budget_decays_the_learning_rate_to_zero_by_its_end(tmp_path, tiny_corpus):
+    run = tmp_path / "run"
+    extra = ["trainer.max_minutes=0.12", "trainer.schedule=linear", "trainer.warmup_steps=5", "trainer.eval_every=1000"]
+    done = subprocess.run(command(run, tiny_corpus, *extra), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lr = [r["lr"] for r in records if "lr" in r]
+    assert len(lr) >= 10 and all(isinstance(x, float) for x in lr)
+    peak = max(lr)
+    assert lr.index(peak) == 4  # the end of warmup
+    assert all(a >= b for a, b in zip(lr[4:], lr[5:]))  # then only down, with the clock
+    assert lr[-1] < 0.15 * peak
+
+
 def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     proc = start_and_wait(command(run_dir, tiny_corpus, "trainer.max_steps=100000"), run_dir, min_step=3)

@@ -189,7 +189,7 @@ class Trainer:
             dtype=torch.float64,
             device=self.device,
         )
-        n_tokens, self.step_tokens, seconds = self.world.sum(counts).float().unbind()  # over all ranks
+        n_tokens, self.step_tokens, mean_seconds = self.world.sum(counts).float().unbind()  # over all ranks
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             with self.synchronizing_gradients(last=i == len(batches) - 1):
@@ -204,7 +204,7 @@ class Trainer:
             self.scaler.update()
             return None
         self.state.step += 1
-        lr = self.learning_rate(float(seconds) if self.world.distributed else seconds)
+        lr = self.learning_rate(float(mean_seconds) if self.world.distributed else seconds)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.step(self.optimizer)
