@@ -63,6 +63,7 @@ def test_unknown_key_is_refused_by_hydra():
         ("model.n_heads=3", "model.d_model"),
         ("trainer.precision=fp8", "trainer.precision"),
         ("trainer.schedule=constant", "trainer.schedule"),
+        ("trainer.cooldown=2", "trainer.cooldown"),
         ("decode.precision=fp8", "decode.precision"),
     ],
 )

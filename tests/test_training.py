@@ -38,8 +38,12 @@ def test_budget_schedules_warm_up_like_the_paper_then_reach_zero_at_the_end(sche
     assert all(a >= b for a, b in zip(decay, decay[1:]))
 
 
-def test_the_inverse_sqrt_schedule_ignores_the_budget():
+def test_the_inverse_sqrt_schedule_ignores_the_budget_unless_it_cools_down():
     assert scheduled_lr("inverse_sqrt", 2000, 1e-3, 500, 0.9, 0.1) == inverse_sqrt_lr(2000, 1e-3, 500)
+    paper = inverse_sqrt_lr(2000, 1e-3, 500)
+    for progress, fraction in ((0.5, 1.0), (0.8, 1.0), (0.9, 0.5), (0.95, 0.25), (1.0, 0.0)):
+        cooled = scheduled_lr("inverse_sqrt", 2000, 1e-3, 500, progress, 0.1, cooldown=0.2)
+        assert cooled == pytest.approx(fraction * paper, abs=1e-15)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

@@ -23,8 +23,11 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
 SCHEDULES = ("inverse_sqrt", "linear", "cosine")
 
 
-def scheduled_lr(schedule: str, step: int, peak: float, warmup: int, progress: float, warmup_progress: float) -> float:
-    """The learning rate of `schedule` at optimizer step `step` (1-based).
+def scheduled_lr(
+    schedule: str, step: int, peak: float, warmup: int, progress: float, warmup_progress: float, cooldown: float = 0.0
+) -> float:
+    """The learning rate of `schedule` at optimizer step `step` (1-based), times the cooldown:
+    over the last `cooldown` fraction of the budget it falls linearly to 0 (0: no cooldown).
 
     inverse_sqrt is the paper's schedule (`inverse_sqrt_lr`); it ignores the budget. linear and
     cosine warm up the same way, then decay from `peak` to 0 over the rest of the training
@@ -33,16 +36,17 @@ def scheduled_lr(schedule: str, step: int, peak: float, warmup: int, progress: f
     thus ends at a learning rate of 0, which anneals its last weights the way checkpoint
     averaging does, but without the lag of averaging older checkpoints.
     """
+    scale = min(1.0, (1.0 - progress) / cooldown) if cooldown > 0 else 1.0
     if schedule == "inverse_sqrt":
-        return inverse_sqrt_lr(step, peak, warmup)
+        return scale * inverse_sqrt_lr(step, peak, warmup)
     if step < warmup:
-        return peak * max(step, 1) / warmup
+        return scale * peak * max(step, 1) / warmup
     decay = (progress - warmup_progress) / max(1.0 - warmup_progress, 1e-9)
     decay = min(max(decay, 0.0), 1.0)
     if schedule == "linear":
-        return peak * (1.0 - decay)
+        return scale * peak * (1.0 - decay)
     if schedule == "cosine":
-        return peak * 0.5 * (1.0 + math.cos(math.pi * decay))
+        return scale * peak * 0.5 * (1.0 + math.cos(math.pi * decay))
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; expected one of {SCHEDULES}")
 
 

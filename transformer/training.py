@@ -67,6 +67,8 @@ class TrainerConfig:
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"trainer.cooldown={self.cooldown} must be a fraction of the budget, between 0 and 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
@@ -228,7 +230,9 @@ class Trainer:
         progress = self.progress(seconds)
         if self.state.step == t.warmup_steps:
             self.state.warmup_progress = progress
-        return scheduled_lr(t.schedule, self.state.step, t.lr, t.warmup_steps, progress, self.state.warmup_progress)
+        return scheduled_lr(
+            t.schedule, self.state.step, t.lr, t.warmup_steps, progress, self.state.warmup_progress, t.cooldown
+        )
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
