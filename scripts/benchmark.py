@@ -50,11 +50,15 @@ class BenchConfig:
     implementations: list[str] = field(default_factory=lambda: list(IMPLEMENTATIONS))
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only where the CPU has AMX
     steps: int = 8  # timed steps, after 2 warm-up steps
-    rounds: int = 1  # repetitions of every measurement, interleaved; the median is reported
+    rounds: int = 1  # repetitions of every measurement, interleaved; the median is reported (odd: the middle one)
     max_tokens: int = 4096
     data_dir: str = "data/multi30k"
     output: Optional[str] = None
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.steps < 1:
+            raise ValueError("rounds and steps must be >= 1")
 
 
 # --- The same batches for everyone --------------------------------------------------------------

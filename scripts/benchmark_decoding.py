@@ -54,7 +54,9 @@ class BenchConfig:
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
     peer_sentences: int = 64
     new_tokens: int = 30
-    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # part 2; bf16 only on CPUs with AMX
+    precisions: list[str] = field(
+        default_factory=lambda: ["fp32", "bf16"]
+    )  # part 2: fp32 and/or bf16 (on CPUs with AMX)
     rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
 
@@ -113,7 +115,7 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
     sources = sources[: cfg.peer_sentences]
     eos, cpu = tokenizer.eos_id, torch.device("cpu")
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
-    precisions = [p for p in cfg.precisions if p == "fp32" or cpu_has_amx()]
+    precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or cpu_has_amx())]
     hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
@@ -136,7 +138,8 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
                     hf_name: [timings[hf_name][1].size(1) - 1],  # generated tokens, without the decoder start token
                 }
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
-                hf_fp32 = hf_fp32 or seconds[hf_name]
+                if precision == "fp32":
+                    hf_fp32 = seconds[hf_name]
                 for name in ("ours", hf_name):
                     rows.append({
                         "preset": preset, "strategy": label, "precision": precision, "decoder": name,
@@ -146,7 +149,8 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
                         "generated_lengths": lengths[name],
                     })  # fmt: skip
                 rows[-2]["vs_hf"] = seconds[hf_name] / seconds["ours"]
-                rows[-2]["vs_hf_fp32"] = hf_fp32 / seconds["ours"]
+                if hf_fp32 is not None:
+                    rows[-2]["vs_hf_fp32"] = hf_fp32 / seconds["ours"]
     return rows
 
 

@@ -12,6 +12,7 @@ import torch
 
 from transformer import checkpoint
 from transformer.model import ModelConfig, Transformer
+from transformer.resume import config_differences
 from transformer.tokenizer import Tokenizer
 
 from .conftest import ROOT
@@ -50,8 +51,8 @@ def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in records if "lr" in r}
-    for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup to 0 at max_steps
-        assert lr[step] == pytest.approx(lr[5] * (40 - step) / (40 - 5), abs=1e-12)
+    for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup towards 0 after max_steps
+        assert lr[step] == pytest.approx(lr[5] * (41 - step) / (41 - 5), abs=1e-12)
     assert lr[3] == pytest.approx(lr[5] * 3 / 5)
 
     killed = tmp_path / "killed"
@@ -81,6 +82,24 @@ def test_a_wall_clock_budget_decays_the_learning_rate_to_zero_by_its_end(tmp_pat
     assert lr.index(peak) == 4  # the end of warmup
     assert all(a >= b for a, b in zip(lr[4:], lr[5:]))  # then only down, with the clock
     assert lr[-1] < 0.15 * peak
+
+
+def test_the_budget_may_change_on_resume_unless_the_schedule_depends_on_it():
+    saved = {"trainer": {"max_steps": 100, "schedule": "inverse_sqrt", "cooldown": 0.0}}
+    longer = {"trainer": {"max_steps": 200, "schedule": "inverse_sqrt", "cooldown": 0.0}}
+    assert config_differences(saved, longer) == []
+    for trainer in ({"schedule": "linear", "cooldown": 0.0}, {"schedule": "inverse_sqrt", "cooldown": 0.1}):
+        before, after = {"trainer": {"max_steps": 100, **trainer}}, {"trainer": {"max_steps": 200, **trainer}}
+        assert [d.split(" ")[0] for d in config_differences(before, after)] == ["trainer.max_steps"]
+
+
+def test_a_checkpoint_older_than_an_option_resumes_when_the_option_keeps_its_default():
+    old = {"trainer": {"lr": 1e-3}}
+    defaults = {"trainer": {"lr": 7e-4, "cooldown": 0.0}}
+    assert config_differences(old, {"trainer": {"lr": 1e-3, "cooldown": 0.0}}, defaults) == []
+    assert config_differences(old, {"trainer": {"lr": 1e-3, "cooldown": 0.2}}, defaults) == [
+        "trainer.cooldown (0.0 in the checkpoint, 0.2 now)"
+    ]
 
 
 def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_corpus):

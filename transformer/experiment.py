@@ -105,7 +105,8 @@ def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     payload = checkpoint.load(path) | {"path": str(path)}
     if "train_state" not in payload:
         raise CheckpointError(f"{path} holds weights only (no optimizer state); it cannot be resumed")
-    check_compatible(path, payload["train_config"], to_plain(cfg), explicit=bool(cfg.trainer.resume))
+    defaults = to_plain(type(cfg)())  # for options newer than the checkpoint
+    check_compatible(path, payload["train_config"], to_plain(cfg), bool(cfg.trainer.resume), defaults)
     return payload
 
 

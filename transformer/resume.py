@@ -66,11 +66,22 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_differences(saved: dict, current: dict) -> list[str]:
-    """Keys whose values differ between a checkpoint's training config and the current one."""
-    a, b = flatten(saved), flatten(current)
-    keys = sorted((set(a) | set(b)) - RESUMABLE_CHANGES)
-    return [f"{k} ({a.get(k)!r} in the checkpoint, {b.get(k)!r} now)" for k in keys if a.get(k) != b.get(k)]
+BUDGET = {"trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes"}
+
+
+def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """Keys whose values differ between a checkpoint's training config and the current one.
+
+    A key the checkpoint lacks (an option newer than it) counts as its value in `defaults`. The
+    budget may change on resume, except when the learning-rate schedule depends on it."""
+    a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
+    trainer = current.get("trainer", {})
+    resumable = RESUMABLE_CHANGES
+    if trainer.get("schedule", "inverse_sqrt") != "inverse_sqrt" or trainer.get("cooldown", 0.0) > 0:
+        resumable = RESUMABLE_CHANGES - BUDGET
+    keys = sorted((set(a) | set(b)) - resumable)
+    before = {k: a[k] if k in a else d.get(k) for k in keys}
+    return [f"{k} ({before[k]!r} in the checkpoint, {b.get(k)!r} now)" for k in keys if before[k] != b.get(k)]
 
 
 def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:
@@ -95,9 +106,11 @@ def clear_run(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
 
 
-def check_compatible(path: Path, saved_config: dict, current_config: dict, explicit: bool) -> None:
+def check_compatible(
+    path: Path, saved_config: dict, current_config: dict, explicit: bool, defaults: dict | None = None
+) -> None:
     """Refuse to resume (or to train into a directory) whose run had another configuration."""
-    differences = config_differences(saved_config, current_config)
+    differences = config_differences(saved_config, current_config, defaults)
     if not differences:
         return
     if explicit:

@@ -1,5 +1,6 @@
-"""The training loop: Adam with a warmup schedule (the paper's, or a decay to the end of the budget), label-smoothed cross-entropy,
-periodic validation (loss and greedy BLEU), last/best checkpoints and early stopping."""
+"""The training loop: Adam with a warmup schedule (the paper's, or a decay to the budget's end),
+label-smoothed cross-entropy, periodic validation (loss and greedy BLEU), last/best checkpoints
+and early stopping."""
 
 from __future__ import annotations
 
@@ -39,9 +40,8 @@ class TrainerConfig:
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     lr: float = 7e-4  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 4000
-    schedule: str = (
-        "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine decay to 0 at the end of the budget
-    )
+    schedule: str = "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine: to 0 at the budget
+    cooldown: float = 0.0  # fraction of the budget at its end over which the lr falls linearly to 0; 0: none
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-9
     weight_decay: float = 0.0
@@ -215,14 +215,15 @@ class Trainer:
         return total / n_tokens
 
     def progress(self, seconds: float) -> float:
-        """The fraction of the training budget used: of the steps, epochs or minutes, whichever
-        limit is nearest."""
+        """The fraction of the training budget used before the current step: of the steps, epochs
+        or minutes, whichever limit is nearest. (Before, so the last step still learns.)"""
         t, state = self.tcfg, self.state
-        used = [state.step / t.max_steps]
+        used = [(state.step - 1) / t.max_steps]
         if t.max_minutes:
             used.append(seconds / (60 * t.max_minutes))
         if t.max_epochs:
-            used.append((state.epoch - 1 + state.batch_in_epoch / max(self.epoch_size, 1)) / t.max_epochs)
+            batches_before = max(state.batch_in_epoch - t.accumulate, 0)
+            used.append((state.epoch - 1 + batches_before / max(self.epoch_size, 1)) / t.max_epochs)
         return min(max(used), 1.0)
 
     def learning_rate(self, seconds: float) -> float:
