@@ -101,8 +101,18 @@ def convert(name: str, spec: tuple, out: Path, finetune_steps: int) -> None:
     subprocess.run(command, cwd=ROOT, check=True)
 
 
+EQUAL_STEP = 500  # every run validates here (eval_every): a comparison per step that CPU contention cannot skew
+
+
+def validation_at(run_dir: Path, step: int) -> dict:
+    """The validation record of `step` in the run's metrics.jsonl ({} if it never validated there)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return next((r for r in records if r.get("step") == step and "valid_bleu" in r), {})
+
+
 def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
     results = json.loads((run_dir / "results.json").read_text())
+    at_step = validation_at(run_dir, EQUAL_STEP)
     model, _, _ = load_model(run_dir / "checkpoint_best.pt")
     beam = results["test"]["test_2016_flickr/beam5"]
     return {
@@ -113,6 +123,8 @@ def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
         "steps": results["steps"],
         "train_minutes": results["train_minutes"],
         "valid_bleu": results["valid_best"],
+        "valid_bleu_at_step": at_step.get("valid_bleu", float("nan")),
+        "valid_ppl_at_step": at_step.get("valid_ppl", float("nan")),
         "test_bleu": beam["bleu"],
         "signature": beam["bleu_signature"],
         "beam5_sentences_per_s": speed,
@@ -127,15 +139,17 @@ def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -
         f"Multi30k de-en, {minutes:.0f} minutes of training each on the same 2-core CPU, {recipe}, model/small otherwise; "
         "validation BLEU: greedy, best checkpoint; test: test_2016_flickr, beam 5, sacreBLEU "
         f"`{rows[0]['signature'] if rows else ''}`; KV cache: decoder self-attention keys and values per "
-        "generated token, fp32.",
+        f"generated token, fp32. The step-{EQUAL_STEP} columns compare the variants at equal steps (greedy BLEU and "
+        "perplexity on the validation split), which CPU speed cannot skew.",
         "",
-        "| variant | parameters | train tok/s | steps | valid BLEU | test BLEU | beam-5 sent/s | KV bytes/token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| variant | parameters | train tok/s | steps | valid BLEU | test BLEU | valid BLEU / ppl at step {EQUAL_STEP} | beam-5 sent/s | KV bytes/token |",  # fmt: skip
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['variant']}: {r['description']} | {r['parameters']:,} | {r['tokens_per_s']:,.0f} | {r['steps']:,} "
-            f"| {r['valid_bleu']:.2f} | {r['test_bleu']:.2f} | {r['beam5_sentences_per_s']:.1f} | {r['kv_bytes_per_token']:,} |"
+            f"| {r['valid_bleu']:.2f} | {r['test_bleu']:.2f} | {r['valid_bleu_at_step']:.2f} / {r['valid_ppl_at_step']:.1f} "
+            f"| {r['beam5_sentences_per_s']:.1f} | {r['kv_bytes_per_token']:,} |"
         )
     if conversions:
         lines += [
