@@ -16,6 +16,7 @@ split is only scored.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -132,6 +133,12 @@ def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
     }
 
 
+def at_step(row: dict) -> str:
+    if math.isnan(row["valid_bleu_at_step"]):
+        return f"– (stopped at {row['steps']})"
+    return f"{row['valid_bleu_at_step']:.2f} / {row['valid_ppl_at_step']:.1f}"
+
+
 def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -> str:
     minutes = max((r["train_minutes"] for r in rows), default=0.0)
     recipe = "the default recipe" + (f" with `{' '.join(extra)}`" if extra else "")
@@ -148,7 +155,7 @@ def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -
     for r in rows:
         lines.append(
             f"| {r['variant']}: {r['description']} | {r['parameters']:,} | {r['tokens_per_s']:,.0f} | {r['steps']:,} "
-            f"| {r['valid_bleu']:.2f} | {r['test_bleu']:.2f} | {r['valid_bleu_at_step']:.2f} / {r['valid_ppl_at_step']:.1f} "
+            f"| {r['valid_bleu']:.2f} | {r['test_bleu']:.2f} | {at_step(r)} "
             f"| {r['beam5_sentences_per_s']:.1f} | {r['kv_bytes_per_token']:,} |"
         )
     if conversions:
