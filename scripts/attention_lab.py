@@ -133,6 +133,10 @@ def row_of_run(name: str, run_dir: Path, speed: float) -> dict:
     }
 
 
+def score(scores: dict, split: str) -> str:
+    return f"{scores[split]:.2f}" if split in scores else "–"
+
+
 def at_step(row: dict) -> str:
     if math.isnan(row["valid_bleu_at_step"]):
         return f"– (stopped at {row['steps']})"
@@ -171,9 +175,9 @@ def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -
             steps = f", {c['finetune_steps']} steps" if c.get("finetune_steps") else ""
             lines.append(
                 f"| {name}{steps} | {c['kv_cache_bytes_after']['self_per_target_token']:,} "
-                f"| {c['bleu_before']['val']:.2f} | {c['bleu_converted']['val']:.2f} | {ft.get('val', float('nan')):.2f} "
+                f"| {c['bleu_before']['val']:.2f} | {c['bleu_converted']['val']:.2f} | {score(ft, 'val')} "
                 f"| {c['bleu_before']['test_2016_flickr']:.2f} | {c['bleu_converted']['test_2016_flickr']:.2f} "
-                f"| {ft.get('test_2016_flickr', float('nan')):.2f} |"
+                f"| {score(ft, 'test_2016_flickr')} |"
             )
     return "\n".join(lines)
 
