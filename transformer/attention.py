@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import cache
+
 
 def expand_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Grouped-query: repeat each key/value head for the group of query heads it serves."""
@@ -39,11 +41,13 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
     """F.scaled_dot_product_attention with grouped-query support; same shapes as above.
 
-    On CPU, torch's flash kernel is several times slower than the plain math kernel for bf16
-    inputs at translation lengths (measured on torch 2.13), so bf16 on CPU takes the math kernel.
+    On CPU with bf16 inputs (torch 2.13, translation lengths), the flash kernel's backward pass is
+    2-3x slower than the plain math kernel's, while its forward pass is 2-10x faster (most at
+    one query, a decoding step). So bf16 on CPU takes the math kernel only when gradients flow.
     """
     gqa = k.size(1) != q.size(1)
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and needs_grad:
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
@@ -135,10 +139,10 @@ class MultiHeadAttention(nn.Module):
         k, v = self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
         if self.rotary is not None:
             k = self.rotary(k, offset)  # the cache holds rotated keys, so each is rotated once
-        if state is not None:
-            if not static_kv and "k" in state:
-                k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
+        if state is not None and static_kv:
             state["k"], state["v"] = k, v
+        elif state is not None:  # self-attention: this step's keys and values join the earlier ones
+            k, v = cache.append(state, "k", k, dim=2), cache.append(state, "v", v, dim=2)
         return k, v
 
     def attend(

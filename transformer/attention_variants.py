@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cache
 from .attention import MultiHeadAttention, Rotary, expand_kv_heads
 
 ATTENTION_KINDS = ("standard", "moh", "dcmha", "overlap")
@@ -195,10 +196,10 @@ class DCMHAttention(MultiHeadAttention):
         if state is not None and static_kv and "key_w" in state:
             return state["key_w"]
         key_w = torch.cat(self.key_weights(source), dim=-1)
-        if state is not None:
-            if not static_kv and "key_w" in state:
-                key_w = torch.cat([state["key_w"], key_w], dim=1)
+        if state is not None and static_kv:
             state["key_w"] = key_w
+        elif state is not None:
+            key_w = cache.append(state, "key_w", key_w, dim=1)
         return key_w
 
     def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):

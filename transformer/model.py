@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from . import cache
 from .attention import MultiHeadAttention, Rotary
 from .attention_variants import AttentionConfig, MoHAttention, build_attention
 from .blocks import (
@@ -170,8 +171,7 @@ class DecoderState:
             for kind, attn in layer.items():
                 if same_sources and kind == "cross":
                     continue
-                for name, tensor in attn.items():
-                    attn[name] = tensor.index_select(0, index)
+                cache.reorder(attn, index)
 
 
 class Transformer(nn.Module):

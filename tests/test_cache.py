@@ -1,0 +1,42 @@
+"""The growing key/value cache holds exactly what torch.cat and index_select would give."""
+
+import torch
+
+from transformer import cache
+from transformer.cache import GrowingCache
+
+
+def test_growing_cache_matches_cat_and_index_select_through_growth_and_reorders():
+    torch.manual_seed(0)
+    grown, reference = GrowingCache(dim=2, min_capacity=4), None
+    reorders = {3: torch.tensor([1, 1, 0, 4, 2]), 6: torch.tensor([3, 0, 2]), 11: torch.tensor([2, 0])}
+    rows = 5
+    for step in range(14):  # capacity 4 -> 8 -> 16; rows 5 -> 5 -> 3 -> 2
+        x = torch.randn(rows, 2, 1, 3)
+        reference = x if reference is None else torch.cat([reference, x], dim=2)
+        torch.testing.assert_close(grown.append(x), reference, rtol=0, atol=0)
+        if step in reorders:
+            index = reorders[step]
+            reference = reference.index_select(0, index)
+            grown.reorder(index)
+            rows = index.numel()
+            torch.testing.assert_close(grown.value, reference, rtol=0, atol=0)
+    assert grown.buffer.size(2) == 16  # doubled twice, not once per step
+
+
+def test_a_reorder_never_overwrites_the_rows_it_reads():
+    grown = GrowingCache(dim=1)
+    grown.append(torch.arange(4.0).view(4, 1))
+    grown.reorder(torch.tensor([3, 2, 1, 0]))  # first reorder: into a fresh spare buffer
+    grown.reorder(torch.tensor([1, 1, 0, 3]))  # second: into the first buffer, now the spare
+    assert grown.value.flatten().tolist() == [2.0, 2.0, 3.0, 0.0]
+
+
+def test_state_dict_helpers_keep_plain_tensors_for_readers():
+    state = {"static": torch.arange(3.0).view(3, 1)}
+    cache.append(state, "k", torch.ones(3, 2), dim=1)
+    cache.append(state, "k", torch.zeros(3, 1), dim=1)
+    assert state["k"].shape == (3, 3) and state["k"][:, 2].eq(0).all()
+    cache.reorder(state, torch.tensor([2, 0]))
+    assert state["static"].flatten().tolist() == [2.0, 0.0]  # plain tensors are gathered as before
+    assert state["k"].shape == (2, 3)
