@@ -31,7 +31,7 @@ def checkpoints_to_average(cfg: AverageConfig) -> list[Path]:
         raise ConfigError("give run=RUN_DIR (with last=N) or inputs=[PATH,...], not both")
     if cfg.inputs:
         return [Path(p) for p in cfg.inputs]
-    numbered = sorted(Path(cfg.run).glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    numbered = checkpoint.numbered(Path(cfg.run))
     if len(numbered) < cfg.last:
         raise ConfigError(f"last={cfg.last}, but {cfg.run} has {len(numbered)} numbered checkpoints")
     return numbered[-cfg.last :]

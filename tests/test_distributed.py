@@ -4,10 +4,13 @@ process accumulating their two batches, and end with identical weights."""
 import json
 import socket
 
+import numpy as np
 import pytest
 import torch
 
 from transformer import checkpoint
+from transformer.data import Batch
+from transformer.monitoring import Throughput
 
 from .test_cli import run
 
@@ -62,3 +65,14 @@ def test_two_processes_equal_one_process_accumulating_their_batches(shared_corpu
     b = checkpoint.load(ddp_dir / "checkpoint_last.pt")["model"]
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def test_padding_fraction_counts_this_rank_only_while_tokens_count_every_rank():
+    """Distributed, the logged tokens are every rank's but the padded slots are this rank's, so the
+    padding fraction must come from this rank's own tokens."""
+    src, tgt = torch.ones(2, 5, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    batch = Batch(src, tgt, tgt, np.arange(2), n_src_tokens=8, n_tgt_tokens=7)  # 15 of 20 slots are tokens
+    window = Throughput()
+    window.add([batch], torch.tensor(1.0), tokens=30)  # two ranks' tokens
+    _, _, padding = window.flush()
+    assert padding == pytest.approx(0.25)

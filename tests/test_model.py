@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from transformer.attention import MultiHeadAttention
+from transformer.attention import MultiHeadAttention, fast_attention
 from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
 from transformer.model import (
@@ -121,6 +121,24 @@ def test_head_layouts_shapes_and_paths_agree(n_kv_heads):
         fast, none = attn(query, query, mask)
     assert out.shape == (2, 5, 32) and weights.shape == (2, 4, 5, 5) and none is None
     torch.testing.assert_close(out, fast)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad-flash", "grad-math"])
+def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
+    """bf16 on CPU takes the flash kernel without gradients and the math kernel with them; both
+    must give the fp32 result to bf16 precision, masks included."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 16) for n in (1, 9, 9))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    expected = fast_attention(q, k, v, mask, 0.0)
+    q16, k16, v16 = (x.bfloat16().requires_grad_(grad) for x in (q, k, v))
+    with torch.set_grad_enabled(grad):
+        out = fast_attention(q16, k16, v16, mask, 0.0)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    if grad:
+        out.float().sum().backward()
+        assert q16.grad is not None and k16.grad[1, :, 6:].abs().max() == 0  # masked keys get no gradient
 
 
 def test_attention_weights_are_distributions_that_respect_masks():

@@ -66,6 +66,17 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
     return payload
 
 
+def numbered(run_dir: Path) -> list[Path]:
+    """A run's numbered checkpoints, checkpoint_<step>.pt, oldest first."""
+    return sorted(Path(run_dir).glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+def keep_newest(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` numbered checkpoints of a run."""
+    for old in numbered(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink()
+
+
 def average(paths: list[Path]) -> dict:
     """A checkpoint whose weights are the mean of the given ones' (same model config required).
 

@@ -144,8 +144,7 @@ def evaluate_tests(
 def evaluate_average(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, valid, device) -> dict:
     """Average the last trainer.average_last numbered checkpoints into checkpoint_avg<N>.pt and
     score it on the validation split (greedy, as checkpoints are selected) and the test splits."""
-    numbered = sorted(run_dir.glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-    paths = numbered[-cfg.trainer.average_last :]
+    paths = checkpoint.numbered(run_dir)[-cfg.trainer.average_last :]
     if len(paths) < 2:
         log.info("not averaging: %d numbered checkpoint(s)", len(paths))
         return {}

@@ -152,11 +152,13 @@ class Throughput:
     """
 
     def __init__(self):
-        self.start, self.tokens, self.padded, self.loss, self.steps = time.monotonic(), 0, 0, 0.0, 0
+        self.start, self.tokens, self.loss, self.steps = time.monotonic(), 0, 0.0, 0
+        self.local_tokens, self.padded = 0, 0  # this process's batches: real tokens and padded slots
 
     def add(self, batches: list[Batch], loss: Tensor, tokens: int) -> None:
         """tokens: the step's non-padding source + target tokens (over all ranks when distributed)."""
         self.tokens += tokens
+        self.local_tokens += sum(b.n_src_tokens + b.n_tgt_tokens for b in batches)
         self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
         self.loss = self.loss + loss.detach()
         self.steps += 1
@@ -164,6 +166,6 @@ class Throughput:
     def flush(self) -> tuple[float, float, float]:
         """(mean loss, tokens per second, fraction of padding) of the interval; starts a new one."""
         loss, tok_per_s = float(self.loss) / max(self.steps, 1), self.tokens / (time.monotonic() - self.start)
-        padding = 1.0 - self.tokens / max(self.padded, 1)
+        padding = 1.0 - self.local_tokens / max(self.padded, 1)  # on this rank; ranks draw alike batches
         self.__init__()
         return loss, tok_per_s, padding

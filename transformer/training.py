@@ -9,7 +9,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -19,16 +19,15 @@ from torch import Tensor
 
 from . import checkpoint
 from .data import Batch, TokenizedCorpus, collate, token_batches
-from .decoding import translate_ids
 from .devices import PRECISIONS, autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
-from .evaluation import score
-from .losses import SCHEDULES, label_smoothed_loss, scheduled_lr, smoothed_cross_entropy, symmetric_kl
+from .losses import SCHEDULES, scheduled_lr, smoothed_cross_entropy, symmetric_kl
 from .model import Transformer
-from .monitoring import Monitor, Throughput, progress_bar
+from .monitoring import Monitor, Throughput
 from .plotting import attention_figures
 from .resume import GracefulStop, rng_states, set_rng_states
+from .validation import validate
 
 log = logging.getLogger(__name__)
 
@@ -287,40 +286,23 @@ class Trainer:
 
     # ---- validation
 
-    @torch.no_grad()
-    def validation_loss(self) -> float:
-        """Per-token negative log-likelihood of the validation split (perplexity = exp of it)."""
-        self.model.eval()
-        nll_sum, n_tokens = torch.zeros((), device=self.device), 0
-        for indices in token_batches(self.valid_data.lengths(), self.cfg.data.max_tokens):
-            batch = collate(self.valid_data, indices, self.tokenizer).to(self.device)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-                logits = self.model(batch.src, batch.tgt_in)
-            nll_sum += label_smoothed_loss(logits, batch.tgt_out, self.tokenizer.pad_id, 0.0)[1]
-            n_tokens += batch.n_tgt_tokens
-        return float(nll_sum) / n_tokens
-
     def validate(self) -> float:
         """Log validation metrics (and attention images) and return the score that selects the best checkpoint."""
-        loss, bleu, chrf = self.validation_loss(), None, None
+        result = validate(
+            self.model, self.valid_data, self.tokenizer, self.cfg.decode, self.cfg.data.max_tokens,
+            self.device, self.amp_dtype, self.tcfg.eval_bleu,
+        )  # fmt: skip
+        loss, bleu = result.loss, result.bleu
         message = f"validation step {self.state.step}: loss {loss:.3f} ppl {math.exp(min(loss, 50)):.2f}"
-        if self.tcfg.eval_bleu:
-            greedy = replace(self.cfg.decode, strategy="greedy")  # fast, and enough to rank checkpoints
-            with progress_bar(len(self.valid_data), "validate") as bar:
-                n_best = translate_ids(self.model, self.valid_data.src, self.tokenizer, greedy, self.device, bar)
-            hyp_ids = [hyps[0].tokens for hyps in n_best]
-            hyps = self.tokenizer.decode(hyp_ids)
-            scores = score(hyps, self.valid_data.tgt_text)
-            bleu, chrf = scores.bleu, scores.chrf
-            message += f" BLEU {bleu:.2f} chrF {chrf:.2f}"
+        if bleu is not None:
+            message += f" BLEU {bleu:.2f} chrF {result.chrf:.2f}"
             valid = self.valid_data
-            self.monitor.samples(self.state.step, list(zip(valid.src_text[:3], valid.tgt_text[:3], hyps[:3])))
+            self.monitor.samples(self.state.step, list(zip(valid.src_text[:3], valid.tgt_text[:3], result.hyps[:3])))
             if self.tcfg.attention_images:
-                self.monitor.attention(
-                    self.state.step, attention_figures(self.model, self.tokenizer, valid.src[0], hyp_ids[0])
-                )
+                figures = attention_figures(self.model, self.tokenizer, valid.src[0], result.hyp_ids[0])
+                self.monitor.attention(self.state.step, figures)
         log.info(message)
-        self.monitor.valid(self.state.step, loss, bleu, chrf, self.state.train_seconds / 60)
+        self.monitor.valid(self.state.step, loss, bleu, result.chrf, self.state.train_seconds / 60)
         return bleu if bleu is not None else -loss
 
     # ---- checkpoints
@@ -360,9 +342,7 @@ class Trainer:
         if self.tcfg.keep_last <= 0:
             return
         self.save(f"checkpoint_{self.state.step}.pt", with_optimizer=False)
-        numbered = sorted(self.run_dir.glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
-        for old in numbered[: -self.tcfg.keep_last]:
-            old.unlink()
+        checkpoint.keep_newest(self.run_dir, self.tcfg.keep_last)
 
     def after_validation(self, value: float) -> bool:
         """Track the best score and save checkpoints; return True when early stopping says to stop."""

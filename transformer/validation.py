@@ -1,0 +1,53 @@
+"""Validation during training: the per-token loss of the validation split (its exponential is the
+perplexity) and greedy BLEU and chrF, which pick the best checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .data import TokenizedCorpus, collate, token_batches
+from .decoding import DecodeConfig, translate_ids
+from .evaluation import score
+from .losses import label_smoothed_loss
+from .monitoring import progress_bar
+
+
+@dataclass
+class Validation:
+    loss: float
+    bleu: float | None = None  # None when BLEU was not asked for
+    chrf: float | None = None
+    hyp_ids: list[list[int]] = field(default_factory=list)  # greedy translations, token ids
+    hyps: list[str] = field(default_factory=list)  # and detokenized
+
+
+@torch.no_grad()
+def validation_loss(model, data: TokenizedCorpus, tokenizer, max_tokens: int, device, amp_dtype) -> float:
+    """Per-token negative log-likelihood of `data`, in batches of at most max_tokens."""
+    model.eval()
+    nll_sum, n_tokens = torch.zeros((), device=device), 0
+    for indices in token_batches(data.lengths(), max_tokens):
+        batch = collate(data, indices, tokenizer).to(device)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(batch.src, batch.tgt_in)
+        nll_sum += label_smoothed_loss(logits, batch.tgt_out, tokenizer.pad_id, 0.0)[1]
+        n_tokens += batch.n_tgt_tokens
+    return float(nll_sum) / n_tokens
+
+
+def validate(
+    model, data: TokenizedCorpus, tokenizer, decode: DecodeConfig, max_tokens: int, device, amp_dtype, bleu: bool
+) -> Validation:
+    """The loss and, with bleu=True, greedy translations scored against the references.
+    Greedy rather than the configured strategy: it is fast, and ranks checkpoints well enough."""
+    result = Validation(validation_loss(model, data, tokenizer, max_tokens, device, amp_dtype))
+    if bleu:
+        with progress_bar(len(data), "validate") as bar:
+            n_best = translate_ids(model, data.src, tokenizer, replace(decode, strategy="greedy"), device, bar)
+        result.hyp_ids = [hyps[0].tokens for hyps in n_best]
+        result.hyps = tokenizer.decode(result.hyp_ids)
+        scores = score(result.hyps, data.tgt_text)
+        result.bleu, result.chrf = scores.bleu, scores.chrf
+    return result
