@@ -27,9 +27,11 @@ def test_growing_cache_matches_cat_and_index_select_through_growth_and_reorders(
 def test_a_reorder_never_overwrites_the_rows_it_reads():
     grown = GrowingCache(dim=1)
     grown.append(torch.arange(4.0).view(4, 1))
-    grown.reorder(torch.tensor([3, 2, 1, 0]))  # first reorder: into a fresh spare buffer
-    grown.reorder(torch.tensor([1, 1, 0, 3]))  # second: into the first buffer, now the spare
-    assert grown.value.flatten().tolist() == [2.0, 2.0, 3.0, 0.0]
+    grown.reorder(torch.tensor([3, 2, 1, 0]))  # same rows: in place, every row moves (a swap chain)
+    assert grown.value.flatten().tolist() == [3.0, 2.0, 1.0, 0.0]
+    grown.reorder(torch.tensor([1, 1, 0]))  # fewer rows: gathered into the spare buffer
+    grown.reorder(torch.tensor([2, 0]))  # and back into the first buffer, now the spare
+    assert grown.value.flatten().tolist() == [3.0, 2.0]
 
 
 def test_state_dict_helpers_keep_plain_tensors_for_readers():

@@ -7,7 +7,7 @@ import torch
 from transformer import checkpoint, decoding
 from transformer.data import pad
 from transformer.decoder_models import Ensemble, Uncached
-from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler
+from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler, stay_in_place
 from transformer.model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
@@ -177,3 +177,14 @@ def test_averaging_copies_of_a_checkpoint_gives_the_same_weights(tmp_path):
     checkpoint.save(paths[1], other, tokenizer, train_config={}, step=2)
     mixed = checkpoint.average(paths[:2])["model"]["embed.embed.weight"]
     torch.testing.assert_close(mixed, (model.embed.embed.weight + other.embed.embed.weight) / 2)
+
+
+def test_stay_in_place_permutes_survivors_and_keeps_every_parent_slot_it_can():
+    torch.manual_seed(0)
+    parents = torch.randint(0, 5, (200, 5))
+    order = stay_in_place(parents)
+    assert torch.equal(order.sort(1).values, torch.arange(5).expand(200, 5))  # a permutation per sentence
+    placed = parents.gather(1, order)
+    stayed = (placed == torch.arange(5)).sum(1)
+    distinct = torch.tensor([len(set(row)) for row in parents.tolist()])
+    assert torch.equal(stayed, distinct)  # every parent slot holds one of its children: the most possible

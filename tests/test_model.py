@@ -13,6 +13,7 @@ from transformer.model import (
     ModelConfig,
     Transformer,
     causal_mask,
+    cross_attend,
     padding_mask,
 )
 
@@ -243,3 +244,21 @@ def test_head_mask_of_ones_changes_nothing_and_keeping_one_head_changes_outputs(
     torch.testing.assert_close(ones, plain, rtol=0, atol=0)
     assert not torch.allclose(pruned, plain)
     torch.testing.assert_close(restored, plain, rtol=0, atol=0)
+
+
+def test_cross_attention_of_grouped_beams_equals_attention_to_repeated_memory():
+    """Beam search folds a sentence's k rows into one query against one row of memory; outputs
+    and weights must be those of k rows attending to k copies of the memory."""
+    model = make_model()
+    attn = model.decoder_layers[0].cross_attn
+    torch.manual_seed(0)
+    memory, query = torch.randn(2, 6, 32), torch.randn(6, 4, 32)  # 2 sentences x 3 beams, 4 target positions
+    src_mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    src_mask[1, ..., 4:] = False
+    with torch.no_grad():
+        out, weights = cross_attend(attn, query, memory, src_mask, {}, need_weights=True)
+        reference, ref_weights = attn(
+            query, memory.repeat_interleave(3, 0), src_mask.repeat_interleave(3, 0), None, True, True
+        )
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(weights, ref_weights)

@@ -49,8 +49,18 @@ class GrowingCache:
         self.buffer, self.spare = buffer, None
 
     def reorder(self, index: Tensor) -> None:
-        """Keep the rows in `index`, in that order (beam search's survivors, or the unfinished rows)."""
+        """Keep the rows in `index`, in that order (beam search's survivors, or the unfinished rows).
+
+        With as many rows as before, only the rows that change are copied, in place: beam search
+        keeps a beam in its parent's slot where it can (see decoding.stay_in_place), so most
+        rows stay. Fewer rows gather into the spare buffer."""
         rows = index.numel()
+        if rows == self.buffer.size(0):
+            moved = (index != torch.arange(rows, device=index.device)).nonzero().flatten()
+            if moved.numel():
+                value = self.value
+                value.index_copy_(0, moved, value.index_select(0, index[moved]))  # reads before it writes
+            return
         if self.spare is None or self.spare.size(0) < rows:
             self.spare = self.buffer.new_empty((rows, *self.buffer.shape[1:]))
         target = self.spare[:rows]

@@ -22,8 +22,11 @@ from .model import DecoderState, Transformer
 class PrefixState:
     tokens: Tensor | None = None  # (batch, tokens so far)
 
-    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
         self.tokens = self.tokens.index_select(0, index)
+
+    def reorder_targets(self, index: Tensor) -> None:
+        self.reorder(index)
 
 
 class Uncached:
@@ -48,9 +51,13 @@ class Uncached:
 class EnsembleState:
     states: list[DecoderState] = field(default_factory=list)
 
-    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
         for state in self.states:
-            state.reorder(index, same_sources)
+            state.reorder(index, sources)
+
+    def reorder_targets(self, index: Tensor) -> None:
+        for state in self.states:
+            state.reorder_targets(index)
 
 
 class Ensemble:

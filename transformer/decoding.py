@@ -82,13 +82,6 @@ def length_penalty(length: Tensor | int, alpha: float):
     return ((5 + length) / 6) ** alpha
 
 
-def expand(memory, times: int):
-    """Repeat each sentence's encoder output `times` times (a tensor, or a list for ensembles)."""
-    if isinstance(memory, Tensor):
-        return memory.repeat_interleave(times, dim=0)
-    return [expand(m, times) for m in memory]
-
-
 # --- Greedy and sampling: one token per sentence per step ---------------------------------------
 
 
@@ -188,7 +181,6 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     src_mask = padding_mask(src, pad_id)
     max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)  # (batch,)
     memory, _ = model.encode(src, src_mask)
-    memory, src_mask = expand(memory, k), src_mask.repeat_interleave(k, dim=0)
     state = model.new_state()
     tokens = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=src.device)
     scores = torch.full((batch, k), -math.inf, device=src.device)  # log-probability of each live beam
@@ -209,6 +201,8 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
         # The best k candidates that do not end in EOS continue (a stable sort keeps their order).
         keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
         scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
+        order = stay_in_place(beam)  # the same beams, in slots that spare cache copies
+        scores, beam, token = scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
         done |= search_done(present, scores.cpu(), max_len, step, k, cfg.length_penalty)
         if done.all():
             break
@@ -217,13 +211,32 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
             live = (~done).nonzero().flatten()
             sentence, done, live = [sentence[i] for i in live.tolist()], done[live], live.to(src.device)
             rows, scores, token, max_len = rows[live].view(-1), scores[live], token[live], max_len[live]
-            memory, src_mask = select(memory, rows), src_mask[rows]
-            state.reorder(rows)
+            memory, src_mask = select(memory, live), src_mask[live]  # one row per sentence, see cross_attend
+            state.reorder(rows, sources=live)
         else:
             rows = rows.view(-1)
-            state.reorder(rows, same_sources=True)  # beams move within their sentence
+            state.reorder_targets(rows)  # beams move within their sentence
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
+
+
+def stay_in_place(parents: Tensor) -> Tensor:
+    """An order for each sentence's k surviving beams that puts a survivor in its parent's slot
+    where it can: (sentences, k) parent slots -> (sentences, k) indices to gather survivors by.
+
+    Beam search depends on the set of beams, not their order, and a beam that stays in its
+    parent's slot needs no copy of its key/value cache (see GrowingCache.reorder). The first
+    survivor of each parent takes the parent's slot; the others fill the free slots in order.
+    """
+    n, k = parents.shape
+    slots = torch.arange(k, device=parents.device)
+    earlier = torch.ones(k, k, dtype=torch.bool, device=parents.device).tril(-1)  # [j, i]: i before j
+    first = ~((parents[:, :, None] == parents[:, None, :]) & earlier).any(-1)  # first survivor of its parent
+    taken = (parents[:, :, None] == slots).any(1)  # slot s is some survivor's parent
+    free = torch.sort(taken.to(torch.int8), dim=1, stable=True).indices  # the free slots first, ascending
+    rank = ((~first).long().cumsum(1) - 1).clamp(min=0)  # position among the survivors that move
+    slot = torch.where(first, parents, free.gather(1, rank))
+    return torch.empty_like(slot).scatter_(1, slot, slots.expand(n, k))
 
 
 def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int, min_len: int = 0) -> Tensor:

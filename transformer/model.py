@@ -144,10 +144,29 @@ class DecoderLayer(nn.Module):
         h, self_weights = self.self_attn(h, h, tgt_mask, self_state, need_weights=need_weights)
         x = self.self_attn_norm.after(x, h)
         h = self.cross_attn_norm.before(x)
-        h, cross_weights = self.cross_attn(h, memory, src_mask, cross_state, static_kv=True, need_weights=need_weights)
+        h, cross_weights = cross_attend(self.cross_attn, h, memory, src_mask, cross_state, need_weights)
         x = self.cross_attn_norm.after(x, h)
         x = self.ffn_norm.after(x, self.ffn(self.ffn_norm.before(x)))
         return x, {"self": self_weights, "cross": cross_weights}
+
+
+def cross_attend(attn, query: Tensor, memory: Tensor, src_mask: Tensor, state: dict | None, need_weights: bool):
+    """Cross-attention from queries (rows, len, d_model) to memory (sentences, src_len, d_model).
+
+    Beam search decodes k rows per sentence (consecutive rows) against one row of memory: each
+    sentence's rows fold into a longer query, since every query attends on its own. So the
+    source-side keys and values are computed, cached and read once per sentence, not per beam.
+    """
+    group = query.size(0) // memory.size(0)
+    if group == 1:
+        return attn(query, memory, src_mask, state, static_kv=True, need_weights=need_weights)
+    if group * memory.size(0) != query.size(0):
+        raise ValueError(f"{query.size(0)} target rows do not divide into {memory.size(0)} sentences")
+    rows, length = query.shape[:2]
+    out, weights = attn(query.reshape(memory.size(0), group * length, -1), memory, src_mask, state, True, need_weights)
+    if weights is not None:  # (sentences, heads, group * len, src_len) -> (rows, heads, len, src_len)
+        weights = weights.unflatten(2, (group, length)).transpose(1, 2).flatten(0, 1)
+    return out.reshape(rows, length, -1), weights
 
 
 # --- Stacks and the model -----------------------------------------------------------------------
@@ -161,17 +180,22 @@ class DecoderState:
     layers: list[dict] = field(default_factory=list)
     length: int = 0  # target tokens already decoded; the next token's position
 
-    def reorder(self, index: Tensor, same_sources: bool = False) -> None:
-        """Keep the batch rows in `index` (in that order), e.g. the surviving beams.
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
+        """Keep the batch rows in `index` (in that order), e.g. the unfinished sentences.
 
-        same_sources: every new row decodes the same source sentence as the old row at its
-        position (beam search moving hypotheses between the beams of one sentence), so the
-        cross-attention cache, a function of the source alone, stays as it is: no copy."""
+        sources: the rows to keep of the cross-attention caches, which hold one row per source
+        sentence; by default the same as index. (Beam search keeps one per sentence for its k
+        beams, see cross_attend, and passes the surviving sentences.)"""
         for layer in self.layers:
-            for kind, attn in layer.items():
-                if same_sources and kind == "cross":
-                    continue
-                cache.reorder(attn, index)
+            cache.reorder(layer["self"], index)
+            if "cross" in layer:
+                cache.reorder(layer["cross"], index if sources is None else sources)
+
+    def reorder_targets(self, index: Tensor) -> None:
+        """Keep the target rows in `index` (beam search moving hypotheses between the beams of one
+        sentence); the cross-attention caches, a function of the sources alone, stay as they are."""
+        for layer in self.layers:
+            cache.reorder(layer["self"], index)
 
 
 class Transformer(nn.Module):
