@@ -1,6 +1,6 @@
 """Training throughput against peer implementations, measured side by side in one run.
 
-    python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has AMX)
+    python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has bf16 matrix instructions)
     python scripts/benchmark.py presets=[small] steps=5 output=bench.json
 
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformer.benchmarking import hardware, marian_model
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
+from transformer.devices import cpu_has_bf16_matmul
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
@@ -48,7 +49,7 @@ VOCAB = 8000
 class BenchConfig:
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
     implementations: list[str] = field(default_factory=lambda: list(IMPLEMENTATIONS))
-    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only where the CPU has AMX
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only with bf16 matrix instructions
     steps: int = 8  # timed steps, after 2 warm-up steps
     rounds: int = 1  # repetitions of every measurement, interleaved; the median is reported (odd: the middle one)
     max_tokens: int = 4096
@@ -267,11 +268,16 @@ def print_table(rows: list[dict], peaks: dict) -> None:
             ),
             None,
         )
-        vs_torch = row["tokens_per_s"] / same["torch"]["tokens_per_s"] if "torch" in same else float("nan")
-        vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else float("nan")
+        vs_torch = row["tokens_per_s"] / same["torch"]["tokens_per_s"] if "torch" in same else None
+        vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else None
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
         print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
-              f"{vs_torch:>8.2f}x{vs_hf:>7.2f}x{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
+              f"{ratio(vs_torch):>9}{ratio(vs_hf):>8}{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
+
+
+def ratio(value: float | None) -> str:
+    """A speed ratio for the table; '-' where the peer was not measured (JSON holds null)."""
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def main(argv: list[str]) -> None:
@@ -282,7 +288,7 @@ def main(argv: list[str]) -> None:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
         return
     info = hardware()
-    has_bf16 = "amx_bf16" in info.get("cpu_features", [])
+    has_bf16 = cpu_has_bf16_matmul()
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(json.dumps(info))

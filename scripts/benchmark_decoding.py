@@ -12,7 +12,8 @@ against Hugging Face transformers' `generate` at the same model size.
    with random weights of the same dimensions, decode the same `peer_sentences` sources in one
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
-   Where the CPU has AMX, both also run under bf16 autocast (our decode.precision=bf16).
+   Where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run under bf16
+   autocast (our decode.precision=bf16).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
 """
@@ -36,7 +37,7 @@ from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
-from transformer.devices import cpu_has_amx
+from transformer.devices import cpu_has_bf16_matmul
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
 
@@ -56,7 +57,7 @@ class BenchConfig:
     new_tokens: int = 30
     precisions: list[str] = field(
         default_factory=lambda: ["fp32", "bf16"]
-    )  # part 2: fp32 and/or bf16 (on CPUs with AMX)
+    )  # part 2: fp32 and/or bf16 (on CPUs with bf16 matrix instructions)
     rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
 
@@ -108,14 +109,14 @@ def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> t
 
 def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:
     """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences.
-    At bf16 (CPUs with AMX) both run under the same autocast; `vs hf` compares with HF at the
+    At bf16 (CPUs with bf16 matrix instructions) both run under the same autocast; `vs hf` compares with HF at the
     same precision, `vs hf fp32` with HF in fp32."""
     import transformers
 
     sources = sources[: cfg.peer_sentences]
     eos, cpu = tokenizer.eos_id, torch.device("cpu")
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
-    precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or cpu_has_amx())]
+    precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or cpu_has_bf16_matmul())]
     hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from transformer.data import collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
+from transformer.devices import autocast_dtype, cpu_has_bf16_matmul
 from transformer.losses import inverse_sqrt_lr, label_smoothed_loss, scheduled_lr
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
@@ -166,3 +167,15 @@ def test_rdrop_regularizer_is_the_symmetric_kl_over_real_tokens():
     expected = ((kl(la, lb) + kl(lb, la)) / 2)[keep].sum()
     torch.testing.assert_close(symmetric_kl(a, b, keep), expected)
     assert symmetric_kl(a, a, keep).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bf16_autocast_is_chosen_only_for_cpus_with_bf16_matrix_instructions():
+    def cpuinfo(flags: str) -> str:
+        return f"processor\t: 0\nmodel name\t: some CPU\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n"
+
+    assert cpu_has_bf16_matmul(cpuinfo("avx512f amx_bf16 amx_tile"))  # Intel AMX
+    assert cpu_has_bf16_matmul(cpuinfo("avx512f avx512_bf16"))  # AVX512-BF16, e.g. AMD Zen 4
+    assert not cpu_has_bf16_matmul(cpuinfo("avx512f avx512_vnni"))  # bf16 would be emulated
+    assert not cpu_has_bf16_matmul("model name\t: avx512_bf16 in a name is not a flag\n")
+    assert autocast_dtype("fp32", torch.device("cpu")) is None
+    assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16

@@ -46,7 +46,7 @@ class DecodeConfig:
     top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
     top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
     seed: int = 1  # sampling
-    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with AMX and on GPUs
+    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with bf16 matrix instructions and on GPUs
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
