@@ -34,17 +34,18 @@ from transformer.gqa import kv_cache_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The attention variants are compared in the paper's block (post-norm, sinusoidal positions,
+# LayerNorm, ReLU), whatever block the default recipe uses; "modern" swaps the whole block.
+PAPER_BLOCK = ["model.norm_first=false", "model.positional=sinusoidal", "model.norm=layernorm", "model.activation=relu"]
+MODERN_BLOCK = ["model.norm_first=true", "model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu"]
 VARIANTS = {
-    "mha": ("standard multi-head attention", []),
-    "gqa2": ("grouped-query, 2 key/value heads", ["model.n_kv_heads=2"]),
-    "mqa": ("multi-query, 1 key/value head", ["model.n_kv_heads=1"]),
-    "moh": ("MoH: 1 shared + top-2 of 3 routed heads", ["model/attention=moh"]),
-    "dcmha": ("DCMHA, rank 2", ["model/attention=dcmha"]),
-    "overlap": ("overlapping heads, 16 features each side", ["model/attention=overlap"]),
-    "modern": (
-        "RoPE + RMSNorm + SwiGLU, pre-norm",
-        ["model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu", "model.norm_first=true"],
-    ),
+    "mha": ("standard multi-head attention", PAPER_BLOCK),
+    "gqa2": ("grouped-query, 2 key/value heads", [*PAPER_BLOCK, "model.n_kv_heads=2"]),
+    "mqa": ("multi-query, 1 key/value head", [*PAPER_BLOCK, "model.n_kv_heads=1"]),
+    "moh": ("MoH: 1 shared + top-2 of 3 routed heads", [*PAPER_BLOCK, "model/attention=moh"]),
+    "dcmha": ("DCMHA, rank 2", [*PAPER_BLOCK, "model/attention=dcmha"]),
+    "overlap": ("overlapping heads, 16 features each side", [*PAPER_BLOCK, "model/attention=overlap"]),
+    "modern": ("RoPE + RMSNorm + SwiGLU, pre-norm", MODERN_BLOCK),
 }
 CONVERSIONS = {  # name: (n_kv_heads, align, fine-tune)
     "mha_to_gqa2_mean": (2, False, False),
