@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainerConfig:
     device: str = "auto"  # "auto" picks cuda when present, else cpu
-    precision: str = "auto"  # auto: bf16 on GPUs that support it (else fp16), bf16 on CPUs with bf16 matrix instructions, else fp32
+    precision: str = "auto"  # auto: bf16 on GPUs (else fp16) and on CPUs with bf16 matrix instructions, else fp32
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     lr: float = 7e-4  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 4000
