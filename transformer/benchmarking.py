@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .devices import cpu_flags
+
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -19,9 +21,7 @@ def hardware() -> dict:
         model = next(
             (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), ""
         )
-        flags = set(
-            next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-        )
+        flags = cpu_flags(cpuinfo)
         info["cpu"] = model
         info["cpu_features"] = [f for f in CPU_FLAGS_OF_INTEREST if f in flags]
     except OSError:

@@ -19,17 +19,20 @@ def pick_device(name: str) -> torch.device:
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")  # Intel AMX tiles; AVX512-BF16 dot products (Intel, AMD Zen 4+)
 
 
-def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
-    """Whether the CPU multiplies bf16 matrices in hardware: there bf16 matmul measured 4-7x the
-    fp32 rate (AMX on a Xeon, AVX512-BF16 on an AMD EPYC); elsewhere bf16 is emulated and slow.
-    cpuinfo: the text of /proc/cpuinfo (read when not given)."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags from cpuinfo, the text of /proc/cpuinfo (read when not given)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return False
-    flags = next((line.split(":", 1)[-1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in BF16_MATMUL_FLAGS)
+            return set()
+    return set(next((line.split(":", 1)[-1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+
+
+def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU multiplies bf16 matrices in hardware: there bf16 matmul measured 4-7x the
+    fp32 rate (AMX on a Xeon, AVX512-BF16 on an AMD EPYC); elsewhere bf16 is emulated and slow."""
+    return any(flag in cpu_flags(cpuinfo) for flag in BF16_MATMUL_FLAGS)
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
