@@ -18,7 +18,7 @@ from .data import DataConfig, DataError
 from .decoding import DecodeConfig
 from .errors import ConfigError, TrainingStopped
 from .model import ModelConfig
-from .training import TrainerConfig
+from .trainer_config import TrainerConfig
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""What a training run is told (TrainerConfig, the `trainer:` group of configs/) and what it
+keeps track of (TrainState, saved in every resumable checkpoint)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .devices import PRECISIONS
+from .losses import SCHEDULES
+
+
+@dataclass
+class TrainerConfig:
+    device: str = "auto"  # "auto" picks cuda when present, else cpu
+    precision: str = "auto"  # auto: bf16 on GPUs (else fp16) and on CPUs with bf16 matrix instructions, else fp32
+    threads: int = 0  # CPU threads for torch; 0 keeps torch's default
+    lr: float = 7e-4  # peak learning rate, reached at the end of warmup
+    warmup_steps: int = 4000
+    schedule: str = "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine: to 0 at the budget
+    cooldown: float = 0.0  # fraction of the budget at its end over which the lr falls linearly to 0; 0: none
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # max gradient norm; 0 disables clipping
+    accumulate: int = 1  # batches per optimizer step (gradient accumulation)
+    max_steps: int = 100_000
+    max_epochs: int = 0  # 0: no limit
+    max_minutes: float = 0.0  # wall-clock budget for the training loop; 0: no limit
+    patience: int = 0  # stop after this many validations without a better score; 0: never
+    eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint)
+    keep_last: int = 5  # numbered checkpoints kept (weights only, for averaging); 0 keeps none
+    average_last: int = 0  # after training, also evaluate the average of the last N numbered checkpoints
+    eval_bleu: bool = True  # greedy-decode the validation split and select the best checkpoint by BLEU
+    attention_images: bool = True  # with eval_bleu: TensorBoard heatmaps of every head for one validation sentence
+    log_every: int = 100
+    resume: Optional[str] = None  # a checkpoint or run directory to continue from
+    overwrite: bool = False  # start afresh in a run directory that already holds a checkpoint
+    max_bad_steps: int = 5  # consecutive steps with non-finite loss or gradients before giving up
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms)
+    compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
+    rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
+    recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"trainer.cooldown={self.cooldown} must be a fraction of the budget, between 0 and 1")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.accumulate < 1 or self.eval_every < 1 or self.log_every < 1 or self.warmup_steps < 1:
+            raise ValueError("trainer.accumulate, eval_every, log_every and warmup_steps must be >= 1")
+        if self.average_last > self.keep_last:
+            raise ValueError(
+                f"trainer.average_last={self.average_last} needs trainer.keep_last >= it, not {self.keep_last}"
+            )
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
+    bad_evals: int = 0
+    bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
+    train_tokens: int = 0  # non-padding source + target tokens seen
+    train_seconds: float = 0.0  # wall time of the loop, validation included
+    valid_seconds: float = 0.0  # of which validation
+    warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
