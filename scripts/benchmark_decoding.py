@@ -185,6 +185,8 @@ def main(argv: list[str]) -> None:
     for strategy in ("greedy", "beam"):
         decode_cfg = dataclasses.replace(DecodeConfig(), strategy=strategy, beam_size=cfg.beam_size)
         label = f"beam{cfg.beam_size}" if strategy == "beam" else strategy
+        for decoder in (model, Uncached(model)):  # untimed: one-time costs (allocations, kernel setup)
+            run_one(decoder, sources[:2], tokenizer, decode_cfg, device)
         cached_s, cached = run_one(model, sources, tokenizer, decode_cfg, device)
         uncached_s, uncached = run_one(Uncached(model), sources, tokenizer, decode_cfg, device)
         n_tokens = sum(len(t) + 1 for t in cached)

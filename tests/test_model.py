@@ -3,9 +3,10 @@ attention, head layouts (MHA/GQA/MQA), attention weights, and cached == uncached
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from transformer.attention import MultiHeadAttention, fast_attention
+from transformer.attention import MultiHeadAttention, fast_attention, product_attention
 from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
 from transformer.model import (
@@ -124,10 +125,10 @@ def test_head_layouts_shapes_and_paths_agree(n_kv_heads):
     torch.testing.assert_close(out, fast)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["no-grad-flash", "grad-math"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad-products", "grad-math"])
 def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
-    """bf16 on CPU takes the flash kernel without gradients and the math kernel with them; both
-    must give the fp32 result to bf16 precision, masks included."""
+    """bf16 on CPU takes the batched products without gradients (one query here) and the math
+    kernel with them; both must give the fp32 result to bf16 precision, masks included."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, n, 16) for n in (1, 9, 9))
     mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
@@ -140,6 +141,21 @@ def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad)
     if grad:
         out.float().sum().backward()
         assert q16.grad is not None and k16.grad[1, :, 6:].abs().max() == 0  # masked keys get no gradient
+
+
+@pytest.mark.parametrize("kv_heads, q_len, mask_rows", [(4, 1, 1), (2, 3, 1), (1, 5, 5), (4, 7, 7), (2, 4, 0)], ids=str)
+def test_product_attention_equals_the_fused_kernel(kv_heads, q_len, mask_rows):
+    """The decoding-step route (two batched products) computes what scaled_dot_product_attention
+    does, for MHA and grouped-query heads, with padding masks, causal-shaped masks and none."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, q_len, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, kv_heads, 9, 8, dtype=torch.float64).unbind(0)
+    mask = None
+    if mask_rows:
+        mask = torch.rand(3, 1, mask_rows, 9) > 0.4
+        mask[..., 0] = True  # every query keeps a key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(product_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_attention_weights_are_distributions_that_respect_masks():

@@ -41,16 +41,43 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
     """F.scaled_dot_product_attention with grouped-query support; same shapes as above.
 
-    On CPU with bf16 inputs (torch 2.13, translation lengths), the flash kernel's backward pass is
-    2-3x slower than the plain math kernel's, while its forward pass is 2-10x faster (most at
-    one query, a decoding step). So bf16 on CPU takes the math kernel only when gradients flow.
+    Two CPU cases (torch 2.13, measured on 2 cores) take another route:
+    - bf16 with gradients: the flash kernel's backward pass is 2-3x slower than the plain math
+      kernel's, so training takes the math kernel.
+    - inference with few queries (a decoding step: one query per row, or a sentence's beams folded
+      together) or, in bf16, short keys: the fused kernels cost 1.3-4x as much as two batched
+      products (`product_attention`), so those shapes take the products.
     """
     gqa = k.size(1) != q.size(1)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if q.device.type == "cpu" and not needs_grad and dropout_p == 0.0:
+        if q.size(2) <= 16 or (q.dtype == torch.bfloat16 and k.size(2) <= 128):
+            return product_attention(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and needs_grad:
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+def product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(QK^T / sqrt(d_head)) V as two batched matrix products and an fp32 softmax, without
+    dropout or weights; same shapes as fast_attention.
+
+    Grouped-query heads fold into the query length when the mask allows (one row per key), so
+    each key/value head is read once for its whole group instead of being copied per query head."""
+    batch, heads, q_len, d_head = q.shape
+    kv_heads = k.size(1)
+    folded = kv_heads != heads and (mask is None or mask.size(1) == mask.size(2) == 1)
+    if folded:
+        q = q.reshape(batch, kv_heads, heads // kv_heads * q_len, d_head)
+    else:
+        k, v = expand_kv_heads(q, k, v)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * d_head**-0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))  # bf16: in fp32
+    out = torch.matmul(weights.to(v.dtype), v)
+    return out.reshape(batch, heads, q_len, d_head) if folded else out
 
 
 class Rotary(nn.Module):
