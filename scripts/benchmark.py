@@ -254,7 +254,7 @@ def available(impl: str) -> bool:
 
 def print_table(rows: list[dict], peaks: dict) -> None:
     print(
-        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf':>8}{'of peak':>9}{'peak MB':>9}"
+        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}"
     )
     for row in rows:
         same = {
@@ -272,7 +272,7 @@ def print_table(rows: list[dict], peaks: dict) -> None:
         vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else None
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
         print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
-              f"{ratio(vs_torch):>9}{ratio(vs_hf):>8}{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
+              f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
 
 
 def ratio(value: float | None) -> str:
