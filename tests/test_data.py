@@ -116,3 +116,68 @@ def test_streaming_reports_the_line_that_is_not_utf8(tmp_path, monkeypatch):
     (tmp_path / "train.de.gz").write_bytes(gzip.compress(b"a\nb\n\xff\xfe\n"))
     with pytest.raises(DataError, match=r"train\.de\.gz:3: line is not valid UTF-8"):
         load_split(DataConfig(dir=str(tmp_path), streaming=True), "train")
+
+
+def test_subword_sampling_redraws_each_epoch_and_keeps_the_text(tmp_path, shared_corpus):
+    """data.subword_alpha: each epoch sees another segmentation of the same sentences, a function
+    of (seed, epoch); every sampled sequence still spells its sentence and fits data.max_len."""
+    from transformer.config import Config
+    from transformer.data import filter_long, tokenize
+    from transformer.model import ModelConfig, Transformer
+    from transformer.tokenizer import Tokenizer
+    from transformer.training import Trainer
+
+    cfg = Config(data=DataConfig(dir=str(shared_corpus), subword_alpha=0.3, max_len=40))
+    ds = load_split(cfg.data, "train")
+    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=300, model_type="unigram")
+    corpus = filter_long(tokenize(ds, tokenizer), cfg.data.max_len)
+    model = Transformer(ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=2, d_ff=64))  # fmt: skip
+    trainer = Trainer(cfg, tmp_path, model, tokenizer, corpus, corpus)
+
+    first, second = trainer.epoch_corpus(1), trainer.epoch_corpus(2)
+    assert first.src != corpus.src and second.src != first.src and second.tgt != first.tgt
+    assert sum(map(len, first.tgt)) > sum(map(len, corpus.tgt))  # sampled pieces are shorter on average
+    for sampled in (first, second):
+        assert tokenizer.decode(sampled.src) == tokenizer.decode(corpus.src)  # text as SentencePiece normalizes it
+        assert tokenizer.decode(sampled.tgt) == tokenizer.decode(corpus.tgt)
+        assert max(sampled.lengths()) <= 40
+    assert Trainer(cfg, tmp_path, model, tokenizer, corpus, corpus).epoch_corpus(2).src == second.src
+    batches = trainer.epoch_batches(2)  # batched by the sampled lengths
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(corpus)))
+    assert all(len(b) * second.lengths()[b].max() <= cfg.data.max_tokens or len(b) == 1 for b in batches)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"subword_alpha": -0.1}, "data.subword_alpha=-0.1 must be >= 0"),
+        ({"subword_alpha": 0.1, "spm_model_type": "bpe"}, "needs data.spm_model_type=unigram, not 'bpe'"),
+        ({"subword_alpha": 0.1, "subword_nbest": 1}, "data.subword_nbest=1 must be at least 2"),
+        ({"subword_alpha": 0.1, "streaming": True}, "cannot be used with data.streaming=true"),
+    ],
+)
+def test_bad_subword_sampling_settings_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**options)
+
+
+def test_subword_sampler_draws_segmentations_with_probability_p_to_the_alpha(shared_corpus):
+    """Each of a sentence's n-best segmentations comes up with probability proportional to
+    P(segmentation) ** alpha; the best one is the usual segmentation."""
+    from transformer.data import SubwordSampler, tokenize
+    from transformer.tokenizer import Tokenizer
+
+    ds = load_split(DataConfig(dir=str(shared_corpus)), "train")
+    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=300, model_type="unigram")
+    corpus = tokenize(ds.select(range(2)), tokenizer)
+    alternatives = tokenizer.nbest([corpus.src_text[0]], 4)[0]
+    assert alternatives[0] == corpus.src[0] and len(alternatives) == 4
+    log_p = np.array([tokenizer.piece_scores()[a].sum() for a in alternatives])
+    expected = np.exp(0.5 * (log_p - log_p.max()))
+    expected /= expected.sum()
+
+    sampler = SubwordSampler(corpus, tokenizer, DataConfig(subword_alpha=0.5, subword_nbest=4))
+    rng = np.random.default_rng(0)
+    draws = [sampler.draw(rng).src[0] for _ in range(4000)]
+    observed = np.array([sum(d == a for d in draws) for a in alternatives]) / len(draws)
+    np.testing.assert_allclose(observed, expected, atol=0.03)

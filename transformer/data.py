@@ -42,6 +42,20 @@ class DataConfig:
     max_len: int = 256  # training pairs with a longer side (in tokens) are dropped
     streaming: bool = False  # keep the training split in memory-mapped Arrow files, for corpora larger than memory
     spm_sample: int = 2_000_000  # sentences sampled to train SentencePiece (all, when fewer)
+    subword_alpha: float = (
+        0.0  # > 0: subword regularization, a new random segmentation of the training split every epoch (SubwordSampler)
+    )
+    subword_nbest: int = 64  # ... drawn from each sentence's this many best segmentations
+
+    def __post_init__(self) -> None:
+        if self.subword_alpha < 0:
+            raise ValueError(f"data.subword_alpha={self.subword_alpha} must be >= 0 (0: no subword sampling)")
+        if self.subword_alpha > 0 and self.spm_model_type != "unigram":
+            raise ValueError(f"data.subword_alpha needs data.spm_model_type=unigram, not {self.spm_model_type!r}")
+        if self.subword_alpha > 0 and self.subword_nbest < 2:
+            raise ValueError(f"data.subword_nbest={self.subword_nbest} must be at least 2 to sample from")
+        if self.subword_alpha > 0 and self.streaming:
+            raise ValueError("data.subword_alpha re-segments the training split in memory; it cannot be used with data.streaming=true")  # fmt: skip
 
 
 # --- Reading ------------------------------------------------------------------------------------
@@ -252,6 +266,49 @@ def filter_long(corpus: TokenizedCorpus | MappedCorpus, max_len: int) -> Tokeniz
         log.info("dropped %d of %d training pairs longer than %d tokens", len(corpus) - len(keep), len(corpus), max_len)
     pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
     return TokenizedCorpus(pick(corpus.src), pick(corpus.tgt), pick(corpus.src_text), pick(corpus.tgt_text))
+
+
+class SubwordSampler:
+    """Subword regularization (Kudo, 2018) with the unigram model's n-best segmentations: each
+    epoch, each sentence takes one of its data.subword_nbest best segmentations, with probability
+    proportional to P(segmentation) ** data.subword_alpha (small alpha: closer to uniform, more
+    variety). The draw comes from a numpy generator, so a (seed, epoch) always gives the same ids,
+    across processes and on resume. A pair whose drawn ids outgrow data.max_len keeps its usual
+    segmentation."""
+
+    def __init__(self, corpus: TokenizedCorpus, tokenizer, cfg: DataConfig, chunk: int = 10_000):
+        self.corpus, self.alpha, self.max_len = corpus, cfg.subword_alpha, cfg.max_len
+        texts = corpus.src_text + corpus.tgt_text
+        scores = tokenizer.piece_scores()
+        ids, alt_lengths, alt_counts = [], [], []
+        for start in range(0, len(texts), chunk):  # n-best lists as flat arrays: lists of lists would take GBs
+            for alternatives in tokenizer.nbest(texts[start : start + chunk], cfg.subword_nbest):
+                alt_counts.append(len(alternatives))
+                alt_lengths.extend(len(a) for a in alternatives)
+                ids.append(np.fromiter((i for a in alternatives for i in a), dtype=np.int32))
+        self.ids = np.concatenate(ids)
+        self.alt_start = np.concatenate(
+            [[0], np.cumsum(alt_lengths)]
+        )  # alternative k: ids[alt_start[k]:alt_start[k+1]]
+        self.first_alt = np.concatenate(
+            [[0], np.cumsum(alt_counts)]
+        )  # sentence j: alternatives first_alt[j]..first_alt[j+1]-1
+        log_prob = np.add.reduceat(scores[self.ids], self.alt_start[:-1]) if len(self.ids) else np.zeros(0)
+        self.logits = self.alpha * log_prob
+        self.sentence_of_alt = np.repeat(np.arange(len(alt_counts)), alt_counts)
+
+    def draw(self, rng: np.random.Generator) -> TokenizedCorpus:
+        """One segmentation of the corpus: per sentence, the Gumbel-max choice among its alternatives."""
+        keys = self.logits + rng.gumbel(size=len(self.logits))
+        order = np.lexsort((-keys, self.sentence_of_alt))  # per sentence, the largest key first
+        chosen = order[self.first_alt[:-1]]
+        seqs = [self.ids[self.alt_start[k] : self.alt_start[k + 1]].tolist() for k in chosen]
+        n = len(self.corpus)
+        src, tgt = seqs[:n], seqs[n:]
+        for i in range(n):
+            if max(len(src[i]), len(tgt[i])) + 1 > self.max_len:
+                src[i], tgt[i] = self.corpus.src[i], self.corpus.tgt[i]
+        return TokenizedCorpus(src, tgt, self.corpus.src_text, self.corpus.tgt_text)
 
 
 # --- Batches ------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import io
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import sentencepiece as spm
 
 from .data import DataError
@@ -60,6 +61,14 @@ class Tokenizer:
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(texts, out_type=int)
+
+    def nbest(self, texts: list[str], n: int) -> list[list[list[int]]]:
+        """The n most likely segmentations of each text (unigram models), best first."""
+        return self.sp.nbest_encode(texts, nbest_size=n, out_type=int)
+
+    def piece_scores(self) -> np.ndarray:
+        """Each piece's score: its log-probability in a unigram model."""
+        return np.array([self.sp.get_score(i) for i in range(len(self))], dtype=np.float64)
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         return self.sp.decode(ids) if ids else []  # SentencePiece reads an empty list as one empty sentence

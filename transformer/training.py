@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import checkpoint
-from .data import Batch, TokenizedCorpus, collate, token_batches
+from .data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
 from .devices import autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
@@ -81,13 +81,30 @@ class Trainer:
         self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
         self.started = time.monotonic()  # the training clock's zero (set again by fit, for resumed runs)
         self.epoch_size = 1  # batches in the current epoch on this rank
+        self.sampler: SubwordSampler | None = None  # with data.subword_alpha
+        self._sampled: tuple[int, TokenizedCorpus | None] = (0, None)  # (epoch, its segmentation)
 
     # ---- batches
+
+    def epoch_corpus(self, epoch: int) -> TokenizedCorpus:
+        """The training split as one epoch sees it: the usual segmentation, or with
+        data.subword_alpha > 0 one drawn from (seed, epoch), the same on every rank and on resume."""
+        if self.cfg.data.subword_alpha <= 0:
+            return self.train_data
+        if self._sampled[0] != epoch:
+            first = self.sampler is None
+            self.sampler = self.sampler or SubwordSampler(self.train_data, self.tokenizer, self.cfg.data)
+            self._sampled = (epoch, self.sampler.draw(np.random.default_rng([self.cfg.seed, epoch, 1])))
+            if first and self.world.is_main:
+                growth = self._sampled[1].lengths().sum() / self.lengths.sum() - 1
+                log.info("subword sampling: epoch %d's pairs are %.1f%% longer than usual", epoch, 100 * growth)
+        return self._sampled[1]
 
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batches of one epoch: a fixed function of (seed, epoch), so runs are reproducible."""
         rng = np.random.default_rng([self.cfg.seed, epoch])
-        return token_batches(self.lengths, self.cfg.data.max_tokens, rng)
+        lengths = self.lengths if self.cfg.data.subword_alpha <= 0 else self.epoch_corpus(epoch).lengths()
+        return token_batches(lengths, self.cfg.data.max_tokens, rng)
 
     def rank_batches(self, epoch: int) -> list[np.ndarray]:
         """This process's share of the epoch: every world_size-th batch, from its rank on (the
@@ -106,7 +123,7 @@ class Trainer:
             while self.state.batch_in_epoch < len(batches):
                 indices = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
-                yield collate(self.train_data, indices, self.tokenizer).to(self.device)
+                yield collate(self.epoch_corpus(self.state.epoch), indices, self.tokenizer).to(self.device)
             self.state.epoch += 1
             self.state.batch_in_epoch = 0
 
