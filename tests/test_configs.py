@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from transformer.config import Config, ConfigError, to_config
 
@@ -89,8 +90,12 @@ def test_block_options_and_attention_keys_are_single_overrides():
     assert set(ATTENTION_KINDS) == {"standard", "moh", "dcmha", "overlap"}
 
 
-def test_sweep_config_defines_a_multirun_grid():
+@pytest.mark.parametrize("sweep", ["multi30k_de_en", "multi30k_en_de"])
+def test_sweep_configs_define_a_multirun_grid(sweep):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["sweep=multi30k_de_en"], return_hydra_config=True)
+        cfg = compose(config_name="config", overrides=[f"sweep={sweep}"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
-    assert {"data.vocab_size", "model.dropout"} <= set(params) and "," in params["model.dropout"]
+    assert params and all("," in values for values in params.values())
+    assert cfg.data.src_lang + "_" + cfg.data.tgt_lang in sweep  # the sweep trains its own direction
+    for key in params:  # every swept key exists in the composed configuration
+        assert OmegaConf.select(cfg, key, throw_on_missing=False) is not None, key

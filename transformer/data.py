@@ -287,12 +287,10 @@ class SubwordSampler:
                 alt_lengths.extend(len(a) for a in alternatives)
                 ids.append(np.fromiter((i for a in alternatives for i in a), dtype=np.int32))
         self.ids = np.concatenate(ids)
-        self.alt_start = np.concatenate(
-            [[0], np.cumsum(alt_lengths)]
-        )  # alternative k: ids[alt_start[k]:alt_start[k+1]]
-        self.first_alt = np.concatenate(
-            [[0], np.cumsum(alt_counts)]
-        )  # sentence j: alternatives first_alt[j]..first_alt[j+1]-1
+        # Alternative k is ids[alt_start[k]:alt_start[k + 1]]; sentence j owns alternatives
+        # first_alt[j] to first_alt[j + 1] - 1 (sources first, then targets).
+        self.alt_start = np.concatenate([[0], np.cumsum(alt_lengths)])
+        self.first_alt = np.concatenate([[0], np.cumsum(alt_counts)])
         log_prob = np.add.reduceat(scores[self.ids], self.alt_start[:-1]) if len(self.ids) else np.zeros(0)
         self.logits = self.alpha * log_prob
         self.sentence_of_alt = np.repeat(np.arange(len(alt_counts)), alt_counts)
