@@ -10,6 +10,8 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   hf-marian     transformers' MarianMTModel (only if `transformers` is installed: pip install -e ".[bench]")
   ours-compile, ours-recompute   ours with trainer.compile / trainer.recompute (on request, e.g.
                 implementations=[ours,ours-compile,ours-recompute])
+  ours-blas     ours with the oneDNN path of transformer/linear.py off: fp32 products on torch's
+                BLAS, as in torch and hf-marian (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS)
 is its own. With rounds=R every measurement is repeated R times, the implementations taking
 turns in alternating order, and the median is reported with the spread: a machine whose speed
@@ -41,7 +43,7 @@ PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
 }
-IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute, ours-blas
 VOCAB = 8000
 
 
@@ -86,11 +88,13 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 # --- The three implementations, each as (model, loss function) ----------------------------------
 
 
-def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False):
+def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, onednn: bool = True):
     """Our model and the loss the trainer uses; compile and recompute as trainer.compile / trainer.recompute."""
+    from transformer.linear import set_onednn
     from transformer.losses import smoothed_cross_entropy
     from transformer.model import ModelConfig, Transformer
 
+    set_onednn(onednn)  # each measurement has its own process
     model = Transformer(ModelConfig(VOCAB, 0, layers, layers, d_model, heads, None, d_ff, dropout=0.1))
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
@@ -157,6 +161,7 @@ BUILDERS = {
     "ours": build_ours,
     "ours-compile": partial(build_ours, compile=True),
     "ours-recompute": partial(build_ours, recompute=True),
+    "ours-blas": partial(build_ours, onednn=False),
     "torch": build_torch,
     "hf-marian": build_hf,
 }
@@ -166,13 +171,20 @@ BUILDERS = {
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Dense matmul GFLOP/s of this device at this dtype."""
+    """Dense matmul GFLOP/s of this device at this dtype: the faster of torch's `a @ b` (BLAS for
+    fp32, oneDNN for bf16) and oneDNN's product, which transformer/linear.py uses for fp32."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9
+    products = [lambda: a @ b]
+    if torch.backends.mkldnn.is_available():
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    best = 0.0
+    for product in products:
+        product()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            product()
+        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9)
+    return best
 
 
 def step_flops(batch, layers: int, d_model: int, d_ff: int) -> float:

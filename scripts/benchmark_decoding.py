@@ -14,6 +14,7 @@ against Hugging Face transformers' `generate` at the same model size.
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
    Where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run under bf16
    autocast (our decode.precision=bf16).
+   In fp32 `ours-blas` is ours with transformer/linear.py's oneDNN path off (torch's BLAS, as HF uses).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
 """
@@ -38,6 +39,7 @@ from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.devices import cpu_has_bf16_matmul
+from transformer.linear import onednn_enabled, set_onednn
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
 
@@ -107,6 +109,15 @@ def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> t
         return hf_generate(model, src, beams, new_tokens)
 
 
+def without_onednn(fn):
+    """fn() with fp32 products on torch's BLAS instead of oneDNN (transformer/linear.py)."""
+    previous = set_onednn(False)
+    try:
+        return fn()
+    finally:
+        set_onednn(previous)
+
+
 def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:
     """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences.
     At bf16 (CPUs with bf16 matrix instructions) both run under the same autocast; `vs hf` compares with HF at the
@@ -130,28 +141,31 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dic
             label, hf_fp32 = "greedy" if beams == 1 else f"beam{beams}", None
             for precision in precisions:
                 forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9, precision=precision)  # fmt: skip
-                timings = race({
+                runs = {
                     "ours": partial(translate_ids, ours, sources, tokenizer, forced, cpu),
                     hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
-                }, cfg.rounds)  # fmt: skip
-                lengths = {
-                    "ours": sorted({len(h[0].tokens) + 1 for h in timings["ours"][1]}),
-                    hf_name: [timings[hf_name][1].size(1) - 1],  # generated tokens, without the decoder start token
                 }
+                if precision == "fp32" and onednn_enabled():  # the effect of transformer/linear.py's oneDNN path
+                    runs["ours-blas"] = partial(without_onednn, runs["ours"])
+                timings = race(runs, cfg.rounds)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
                 if precision == "fp32":
                     hf_fp32 = seconds[hf_name]
-                for name in ("ours", hf_name):
+                for name, (times, result) in timings.items():
+                    lengths = (
+                        [result.size(1) - 1] if name == hf_name else sorted({len(h[0].tokens) + 1 for h in result})
+                    )  # without HF's decoder start token
                     rows.append({
                         "preset": preset, "strategy": label, "precision": precision, "decoder": name,
-                        "seconds": seconds[name], "seconds_of_rounds": [round(t, 3) for t in timings[name][0]],
+                        "seconds": seconds[name], "seconds_of_rounds": [round(t, 3) for t in times],
                         "sentences_per_s": len(sources) / seconds[name],
                         "tokens_per_s": len(sources) * cfg.new_tokens / seconds[name],
-                        "generated_lengths": lengths[name],
+                        "generated_lengths": lengths,
                     })  # fmt: skip
-                rows[-2]["vs_hf"] = seconds[hf_name] / seconds["ours"]
-                if hf_fp32 is not None:
-                    rows[-2]["vs_hf_fp32"] = hf_fp32 / seconds["ours"]
+                    if name != hf_name:
+                        rows[-1]["vs_hf"] = seconds[hf_name] / seconds[name]
+                        if hf_fp32 is not None:
+                            rows[-1]["vs_hf_fp32"] = hf_fp32 / seconds[name]
     return rows
 
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import cache
+from .linear import Linear
 
 
 def expand_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,10 +134,10 @@ class MultiHeadAttention(nn.Module):
         self.head_size = head_size or self.d_head
         self.dropout = dropout
         self.rotary = rotary
-        self.w_q = nn.Linear(d_model, n_heads * self.d_head, bias=bias)
-        self.w_k = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
-        self.w_v = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
-        self.w_o = nn.Linear(n_heads * self.head_size, d_model, bias=bias)
+        self.w_q = Linear(d_model, n_heads * self.d_head, bias=bias)
+        self.w_k = Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.w_v = Linear(d_model, n_kv_heads * self.d_head, bias=bias)
+        self.w_o = Linear(n_heads * self.head_size, d_model, bias=bias)
         self.head_mask: Tensor | None = None  # (n_heads,) scales each head's output; see Transformer.set_head_mask
         for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
             nn.init.xavier_uniform_(linear.weight)

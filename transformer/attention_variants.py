@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from . import cache
 from .attention import MultiHeadAttention, Rotary, expand_kv_heads
+from .linear import Linear
 
 ATTENTION_KINDS = ("standard", "moh", "dcmha", "overlap")
 
@@ -72,8 +73,8 @@ class MoHAttention(MultiHeadAttention):
         super().__init__(d_model, n_heads, n_kv_heads, dropout, bias, rotary)
         self.n_shared, self.n_routed = shared_heads, n_heads - shared_heads
         self.top_k = top_k if self.n_routed else 0
-        self.router = nn.Linear(d_model, n_heads, bias=False)
-        self.stage = nn.Linear(d_model, 2, bias=False)  # shared vs routed
+        self.router = Linear(d_model, n_heads, bias=False)
+        self.stage = Linear(d_model, 2, bias=False)  # shared vs routed
         nn.init.zeros_(self.router.weight)
         nn.init.zeros_(self.stage.weight)
         self.balance_loss: Tensor | None = None
@@ -164,7 +165,7 @@ class DynamicWeights(nn.Module):
         super().__init__()
         self.n = composition.n_dynamic
         hidden = 2 * self.n
-        self.hidden, self.out = nn.Linear(d_model, hidden, bias=False), nn.Linear(hidden, 2 * self.n, bias=False)
+        self.hidden, self.out = Linear(d_model, hidden, bias=False), Linear(hidden, 2 * self.n, bias=False)
         nn.init.normal_(self.hidden.weight, std=d_model**-0.5)
         nn.init.normal_(self.out.weight, std=hidden**-0.5)
         h, r = composition.n_heads, composition.rank

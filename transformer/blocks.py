@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear import Linear
+
 if TYPE_CHECKING:
     from .model import ModelConfig
 
@@ -76,7 +78,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
-        self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.linear1, self.linear2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.dropout = nn.Dropout(activation_dropout)
         self.activation = F.gelu if activation == "gelu" else F.relu
         for linear in (self.linear1, self.linear2):
@@ -97,8 +99,8 @@ class SwiGLUFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
         super().__init__()
         hidden = max(8, round(2 * d_ff / 3 / 8) * 8)
-        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
-        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.gate_up = Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
+        self.down = Linear(hidden, d_model, bias=False)
         self.dropout = nn.Dropout(activation_dropout)
         for linear in (self.gate_up, self.down):
             nn.init.xavier_uniform_(linear.weight)

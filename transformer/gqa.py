@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .attention import MultiHeadAttention
+from .linear import Linear
 from .model import Transformer
 
 
@@ -109,7 +110,7 @@ def merge_heads(attn: MultiHeadAttention, n_kv_heads: int) -> None:
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> torch.nn.Linear:
-    linear = torch.nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
+    linear = Linear(weight.size(1), weight.size(0), bias=bias is not None)
     linear.weight.data.copy_(weight)
     if bias is not None:
         linear.bias.data.copy_(bias)

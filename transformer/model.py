@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -31,6 +30,7 @@ from .blocks import (
     feed_forward,
     make_norm,
 )
+from .linear import Linear, PackedWeight, linear
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -216,7 +216,8 @@ class Transformer(nn.Module):
         # Pre-norm leaves the residual stream un-normalized, so each stack ends with a norm.
         self.encoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
-        self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_output else Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tied_packed = PackedWeight()  # the tied output projection's weight, reordered for CPU inference
         self.recompute = False  # set by the trainer (trainer.recompute): activation checkpointing per layer
 
     def run_layer(self, layer: nn.Module, *args):
@@ -271,7 +272,7 @@ class Transformer(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """(batch, len, d_model) -> logits (batch, len, vocab)"""
-        return F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
+        return linear(x, self.embed.embed.weight, None, self.tied_packed) if self.output is None else self.output(x)
 
     def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
         """Teacher forcing: src (batch, src_len), tgt (batch, tgt_len) starting with BOS -> logits."""

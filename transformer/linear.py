@@ -1,0 +1,117 @@
+"""Linear layers whose fp32 products on CPU run on oneDNN.
+
+torch computes an fp32 `F.linear` on CPU with its BLAS library (MKL in the x86 wheels) and a bf16
+one with oneDNN. On some CPUs the BLAS path is far from the hardware's speed: on a 2-core AMD
+EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forward and backward
+(scripts/benchmark.py measures both paths). So `linear` sends CPU fp32 products to oneDNN:
+
+- in training, through `_OneDNNLinear`, whose backward is two more oneDNN products
+  (dX = dY W and dW = dY^T X) and a sum for the bias;
+- in inference (no gradients), with the weight reordered once into oneDNN's blocked layout
+  (`PackedWeight`), which is faster again at the few rows a decoding step has.
+
+Everything else (GPUs, bf16 autocast, torch.compile, other dtypes) takes `F.linear` unchanged.
+`TRANSFORMER_ONEDNN_LINEAR=0` in the environment, or `set_onednn(False)`, turns the oneDNN path
+off. `Linear` is `nn.Linear` with this forward: same parameters, same state dict.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_enabled = os.environ.get("TRANSFORMER_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
+
+
+def set_onednn(enabled: bool) -> bool:
+    """Turn the oneDNN path on or off for this process; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled) and torch.backends.mkldnn.is_available()
+    return previous
+
+
+def onednn_enabled() -> bool:
+    return _enabled
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x W^T + b by oneDNN; weight is (out, in), plain or reordered by PackedWeight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _product(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad2d, x2d = grad.reshape(-1, grad.size(-1)), x.reshape(-1, x.size(-1))
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _product(grad2d, weight.t(), None).view(x.shape)  # dY W, as a product with W^T's rows
+        if ctx.needs_input_grad[1]:
+            grad_w = _product(grad2d.t(), x2d.t(), None)  # dY^T X
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad2d.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+class PackedWeight:
+    """A weight reordered for oneDNN, for inference; reordered again whenever the weight changes
+    (an optimizer step or load_state_dict bumps its version)."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.packed: Tensor | None = None
+
+    def get(self, weight: Tensor) -> Tensor:
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self.key:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+            self.key = key
+        return self.packed
+
+    def __getstate__(self) -> dict:  # copies and pickles start without the oneDNN tensor
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+
+def _use_onednn(x: Tensor, weight: Tensor) -> bool:
+    return (
+        _enabled
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.numel() > 0
+        and not torch.is_autocast_enabled("cpu")
+        and not torch.compiler.is_compiling()
+    )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: PackedWeight | None = None) -> Tensor:
+    """F.linear(x, weight, bias), on oneDNN for CPU fp32; `packed` caches the reordered weight
+    for inference."""
+    if not _use_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):  # fmt: skip
+        return _OneDNNLinear.apply(x, weight, bias)
+    return _product(x, packed.get(weight) if packed is not None else weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear computed by `linear`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed)
