@@ -42,9 +42,7 @@ class DataConfig:
     max_len: int = 256  # training pairs with a longer side (in tokens) are dropped
     streaming: bool = False  # keep the training split in memory-mapped Arrow files, for corpora larger than memory
     spm_sample: int = 2_000_000  # sentences sampled to train SentencePiece (all, when fewer)
-    subword_alpha: float = (
-        0.0  # > 0: subword regularization, a new random segmentation of the training split every epoch (SubwordSampler)
-    )
+    subword_alpha: float = 0.0  # > 0: a new random segmentation of the training split each epoch (SubwordSampler)
     subword_nbest: int = 64  # ... drawn from each sentence's this many best segmentations
 
     def __post_init__(self) -> None:
@@ -277,7 +275,7 @@ class SubwordSampler:
     segmentation."""
 
     def __init__(self, corpus: TokenizedCorpus, tokenizer, cfg: DataConfig, chunk: int = 10_000):
-        self.corpus, self.alpha, self.max_len = corpus, cfg.subword_alpha, cfg.max_len
+        self.corpus, self.max_len = corpus, cfg.max_len
         texts = corpus.src_text + corpus.tgt_text
         scores = tokenizer.piece_scores()
         ids, alt_lengths, alt_counts = [], [], []
@@ -292,7 +290,7 @@ class SubwordSampler:
         self.alt_start = np.concatenate([[0], np.cumsum(alt_lengths)])
         self.first_alt = np.concatenate([[0], np.cumsum(alt_counts)])
         log_prob = np.add.reduceat(scores[self.ids], self.alt_start[:-1]) if len(self.ids) else np.zeros(0)
-        self.logits = self.alpha * log_prob
+        self.logits = cfg.subword_alpha * log_prob
         self.sentence_of_alt = np.repeat(np.arange(len(alt_counts)), alt_counts)
 
     def draw(self, rng: np.random.Generator) -> TokenizedCorpus:

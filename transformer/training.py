@@ -103,7 +103,8 @@ class Trainer:
     def epoch_batches(self, epoch: int) -> list[np.ndarray]:
         """The batches of one epoch: a fixed function of (seed, epoch), so runs are reproducible."""
         rng = np.random.default_rng([self.cfg.seed, epoch])
-        lengths = self.lengths if self.cfg.data.subword_alpha <= 0 else self.epoch_corpus(epoch).lengths()
+        corpus = self.epoch_corpus(epoch)
+        lengths = self.lengths if corpus is self.train_data else corpus.lengths()
         return token_batches(lengths, self.cfg.data.max_tokens, rng)
 
     def rank_batches(self, epoch: int) -> list[np.ndarray]:
