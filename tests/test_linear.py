@@ -1,12 +1,16 @@
 """The oneDNN path of linear layers (transformer/linear.py) computes what F.linear computes."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.linear import Linear, linear, onednn_enabled, set_onednn
+from transformer.linear import CACHE_CAPACITY, Linear, linear, onednn_enabled, set_onednn
 from transformer.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN path off or unavailable")
@@ -79,3 +83,38 @@ def test_bf16_autocast_keeps_torchs_own_path():
     layer, x = Linear(16, 8), torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).dtype == torch.bfloat16
+
+
+MEMORY_PROBE = """
+import os, sys
+import torch
+import transformer.linear as L
+
+def rss_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+weight = torch.randn(1024, 256, requires_grad=True)
+sizes = []
+for i, rows in enumerate(range(2000, 2000 + 120 * 3, 3)):  # 120 shapes, one new primitive each
+    x = torch.randn(rows, 256, requires_grad=True)
+    L.linear(x, weight).sum().backward()
+    if i in (39, 119):
+        sizes.append(rss_mb())
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], sizes[1] - sizes[0])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process size from /proc")
+def test_memory_does_not_grow_with_the_number_of_product_shapes():
+    """oneDNN keeps every product's primitive and its buffers in two caches of 1024 entries;
+    importing transformer.linear bounds both, so training on batches of ever new shapes stays
+    the same size. With oneDNN's defaults the 80 new shapes below added 1.4 GB (3-28 MB bounded)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    bounded = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)
+    cache, lru, growth = bounded.stdout.split()
+    assert (cache, lru) == (str(CACHE_CAPACITY), str(CACHE_CAPACITY))
+    assert float(growth) < 200, f"grew by {growth} MB over 80 new shapes"
+    env.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")  # a user's setting is kept
+    default = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)
+    cache, lru, growth = default.stdout.split()
+    assert (cache, lru) == ("1024", "1024") and float(growth) > 500

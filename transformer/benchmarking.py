@@ -18,11 +18,13 @@ def hardware() -> dict:
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
-        model = next(
-            (line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), ""
-        )
+        fields = {}  # of the first processor listed
+        for key, _, value in (line.partition(":") for line in cpuinfo.splitlines()):
+            fields.setdefault(key.strip(), value.strip())
         flags = cpu_flags(cpuinfo)
-        info["cpu"] = model
+        info["cpu"] = fields.get("model name", "")
+        # A virtual machine may name only the brand ("AMD EPYC"); family and model tell generations apart.
+        info["cpu_family_model"] = f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}"
         info["cpu_features"] = [f for f in CPU_FLAGS_OF_INTEREST if f in flags]
     except OSError:
         info["cpu"] = platform.processor()

@@ -13,6 +13,16 @@ EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forw
 Everything else (GPUs, bf16 autocast, torch.compile, other dtypes) takes `F.linear` unchanged.
 `TRANSFORMER_ONEDNN_LINEAR=0` in the environment, or `set_onednn(False)`, turns the oneDNN path
 off. `Linear` is `nn.Linear` with this forward: same parameters, same state dict.
+
+oneDNN builds a primitive for every product shape and keeps up to 1024 of them in two caches
+(its own and that of ideep, torch's wrapper), with buffers of several MB each. Training batches
+come in many shapes, so with those defaults a process grows with every new one: 1.4 GB over 80
+shapes of one layer's forward and backward (tests/test_linear.py), and the small model's peak in
+scripts/benchmark.py went from about 2,170 to 1,770 MB in 10 steps once bounded. Importing this
+module bounds both caches at `CACHE_CAPACITY` entries, unless the environment already sets
+ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY: enough for the shapes of one training or
+decoding step, which repeat across layers, with no measured loss of speed. It takes effect when
+this module is imported before oneDNN's first product in the process.
 """
 
 from __future__ import annotations
@@ -22,6 +32,11 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+CACHE_CAPACITY = 16
+CACHE_VARIABLES_SET = [v for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY") if v not in os.environ]
+for _variable in CACHE_VARIABLES_SET:
+    os.environ[_variable] = str(CACHE_CAPACITY)
 
 _enabled = os.environ.get("TRANSFORMER_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
 
