@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import transformer.linear
 from transformer.linear import CACHE_CAPACITY, Linear, linear, onednn_enabled, set_onednn
 from transformer.model import ModelConfig, Transformer
 
@@ -17,7 +18,10 @@ pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN path off or
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_forward_and_gradients_match_f_linear(bias):
+@pytest.mark.parametrize("blas_weight_gradient", [False, True])
+def test_forward_and_gradients_match_f_linear(bias, blas_weight_gradient, monkeypatch):
+    if blas_weight_gradient:  # as for a large dY, the output layer's
+        monkeypatch.setattr(transformer.linear, "TRANSPOSE_LIMIT", 0)
     torch.manual_seed(0)
     x = torch.randn(3, 7, 24).transpose(0, 1).requires_grad_()  # non-contiguous, 3-d
     weight = torch.randn(40, 24, requires_grad=True)

@@ -6,7 +6,8 @@ EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forw
 (scripts/benchmark.py measures both paths). So `linear` sends CPU fp32 products to oneDNN:
 
 - in training, through `_OneDNNLinear`, whose backward is two more oneDNN products
-  (dX = dY W and dW = dY^T X) and a sum for the bias;
+  (dX = dY W and dW = dY^T X) and a sum for the bias; dW goes to BLAS when dY is large (the
+  output layer's), where copying the transposes oneDNN needs costs more than its product saves;
 - in inference (no gradients), with the weight reordered once into oneDNN's blocked layout
   (`PackedWeight`), which is faster again at the few rows a decoding step has.
 
@@ -52,6 +53,9 @@ def onednn_enabled() -> bool:
     return _enabled
 
 
+TRANSPOSE_LIMIT = 2**23  # elements of dY (32 MB in fp32) above which dW = dY^T X goes to BLAS
+
+
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x W^T + b by oneDNN; weight is (out, in), plain or reordered by PackedWeight."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -72,7 +76,11 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _product(grad2d, weight.t(), None).view(x.shape)  # dY W, as a product with W^T's rows
         if ctx.needs_input_grad[1]:
-            grad_w = _product(grad2d.t(), x2d.t(), None)  # dY^T X
+            # dY^T X. oneDNN's product wants both operands transposed into new copies, which for a
+            # large dY (the output layer's, rows x vocabulary) costs more than the product saves;
+            # BLAS reads the transposes in place.
+            big = grad2d.numel() > TRANSPOSE_LIMIT
+            grad_w = grad2d.t() @ x2d if big else _product(grad2d.t(), x2d.t(), None)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2d.sum(0)
         return grad_x, grad_w, grad_b
