@@ -168,6 +168,9 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None:
             k = self.rotary(k, offset)  # the cache holds rotated keys, so each is rotated once
         if state is not None and static_kv:
+            # Stored contiguous, once: as views of the projections, the batched products of every
+            # later step would copy them again to fold batch and heads together.
+            k, v = k.contiguous(), v.contiguous()
             state["k"], state["v"] = k, v
         elif state is not None:  # self-attention: this step's keys and values join the earlier ones
             k, v = cache.append(state, "k", k, dim=2), cache.append(state, "v", v, dim=2)
