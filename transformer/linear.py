@@ -2,8 +2,9 @@
 
 torch computes an fp32 `F.linear` on CPU with its BLAS library (MKL in the x86 wheels) and a bf16
 one with oneDNN. On some CPUs the BLAS path is far from the hardware's speed: on a 2-core AMD
-EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forward and backward
-(scripts/benchmark.py measures both paths). So `linear` sends CPU fp32 products to oneDNN:
+EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forward and backward;
+on another (family 25, Zen 4) about 1.25x (scripts/benchmark.py measures both paths). So
+`linear` sends CPU fp32 products to oneDNN:
 
 - in training, through `_OneDNNLinear`, whose backward is two more oneDNN products
   (dX = dY W and dW = dY^T X) and a sum for the bias; dW goes to BLAS when dY is large (the
