@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer.linear
-from transformer.linear import CACHE_CAPACITY, Linear, linear, onednn_enabled, set_onednn
+from transformer.linear import CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear, onednn_enabled, set_onednn
 from transformer.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN path off or unavailable")
@@ -113,12 +113,12 @@ def test_memory_does_not_grow_with_the_number_of_product_shapes():
     """oneDNN keeps every product's primitive and its buffers in two caches of 1024 entries;
     importing transformer.linear bounds both, so training on batches of ever new shapes stays
     the same size. With oneDNN's defaults the 80 new shapes below added 1.4 GB (3-28 MB bounded)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
     bounded = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)
     cache, lru, growth = bounded.stdout.split()
     assert (cache, lru) == (str(CACHE_CAPACITY), str(CACHE_CAPACITY))
     assert float(growth) < 200, f"grew by {growth} MB over 80 new shapes"
-    env.update(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")  # a user's setting is kept
+    env.update(dict.fromkeys(CACHE_VARIABLES, "1024"))  # a user's setting is kept
     default = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)
     cache, lru, growth = default.stdout.split()
     assert (cache, lru) == ("1024", "1024") and float(growth) > 500

@@ -20,7 +20,7 @@ oneDNN builds a primitive for every product shape and keeps up to 1024 of them i
 (its own and that of ideep, torch's wrapper), with buffers of several MB each. Training batches
 come in many shapes, so with those defaults a process grows with every new one: 1.4 GB over 80
 shapes of one layer's forward and backward (tests/test_linear.py), and the small model's peak in
-scripts/benchmark.py went from about 2,170 to 1,770 MB in 10 steps once bounded. Importing this
+scripts/benchmark.py went from about 2,170 to 1,800 MB in 10 steps once bounded. Importing this
 module bounds both caches at `CACHE_CAPACITY` entries, unless the environment already sets
 ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY: enough for the shapes of one training or
 decoding step, which repeat across layers, with no measured loss of speed. It takes effect when
@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 CACHE_CAPACITY = 16
-CACHE_VARIABLES_SET = [v for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY") if v not in os.environ]
+CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's own cache, ideep's
+CACHE_VARIABLES_SET = [v for v in CACHE_VARIABLES if v not in os.environ]  # by this module, not the user
 for _variable in CACHE_VARIABLES_SET:
     os.environ[_variable] = str(CACHE_CAPACITY)
 
