@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .dropout import Dropout
 from .linear import Linear
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
         self.linear1, self.linear2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(activation_dropout)
+        self.dropout = Dropout(activation_dropout)
         self.activation = F.gelu if activation == "gelu" else F.relu
         for linear in (self.linear1, self.linear2):
             nn.init.xavier_uniform_(linear.weight)
@@ -101,7 +102,7 @@ class SwiGLUFeedForward(nn.Module):
         hidden = max(8, round(2 * d_ff / 3 / 8) * 8)
         self.gate_up = Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
         self.down = Linear(hidden, d_model, bias=False)
-        self.dropout = nn.Dropout(activation_dropout)
+        self.dropout = Dropout(activation_dropout)
         for linear in (self.gate_up, self.down):
             nn.init.xavier_uniform_(linear.weight)
 
@@ -131,7 +132,7 @@ class AddNorm(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: str = "layernorm"):
         super().__init__()
-        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), nn.Dropout(dropout), norm_first
+        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), Dropout(dropout), norm_first
 
     def before(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.norm_first else x

@@ -30,6 +30,7 @@ from .blocks import (
     feed_forward,
     make_norm,
 )
+from .dropout import Dropout
 from .linear import Linear, PackedWeight, linear
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
@@ -210,7 +211,7 @@ class Transformer(nn.Module):
             self.positions = LearnedPositions(cfg.d_model, cfg.max_positions)
         else:
             self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
-        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.embed_dropout = Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.n_decoder_layers))
         # Pre-norm leaves the residual stream un-normalized, so each stack ends with a norm.
