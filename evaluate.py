@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, setup_logging
-from transformer.config import ConfigError, exit_on_user_error
-from transformer.data import DataConfig, corpus_file, read_parallel, write_lines
+from transformer.cli import load_decoder, parse_args, setup_logging, source_and_reference
+from transformer.config import exit_on_user_error
+from transformer.data import read_parallel, write_lines
 from transformer.decoding import DecodeConfig, translate
 from transformer.evaluation import score
 from transformer.monitoring import progress_bar
@@ -43,17 +43,6 @@ class EvaluateConfig:
     output: Optional[str] = None
     device: str = "auto"
     decode: DecodeConfig = field(default_factory=DecodeConfig)
-
-
-def source_and_reference(cfg: EvaluateConfig, train_config: dict) -> tuple[Path, Path]:
-    if (cfg.src is None) != (cfg.ref is None):
-        raise ConfigError("give both src=PATH and ref=PATH, or neither (then split= is used)")
-    if cfg.src is not None:
-        return Path(cfg.src), Path(cfg.ref)
-    data = train_config.get("data", {})
-    directory = Path(cfg.data_dir or data.get("dir", DataConfig.dir))
-    src_lang, tgt_lang = cfg.src_lang or data.get("src_lang"), cfg.tgt_lang or data.get("tgt_lang")
-    return corpus_file(directory, cfg.split, src_lang), corpus_file(directory, cfg.split, tgt_lang)
 
 
 def main(argv: list[str]) -> None:

@@ -220,6 +220,8 @@ def bad_input_cases(run_dir: Path, tmp: Path) -> list[tuple[list[str], str, list
         (["evaluate.py", f"checkpoint={best}", f"src={src}"], "", ["ref=PATH"]),
         (["evaluate.py", f"checkpoint={best}", "split=test_2099"], "", ["test_2099"]),
         (["scripts/average_checkpoints.py", f"run={run_dir}", "last=9"], "", ["last=9", "2 numbered checkpoints"]),
+        (["scripts/tune_decoding.py", f"checkpoint={best}", "metric=ter"], "", ["metric='ter'"]),
+        (["scripts/tune_decoding.py", f"checkpoint={best}", "beam_sizes=[0,5]"], "", ["beam_sizes=[0, 5]"]),
     ]
 
 
@@ -287,6 +289,29 @@ def test_evaluate_budgets_scores_the_run_as_if_stopped_at_each_budget(smoke_run)
     budgets = json.loads((smoke_run / "budgets.json").read_text())
     assert budgets["100/avg2"]["checkpoints"] == ["checkpoint_10.pt", "checkpoint_20.pt"]
     assert budgets["100/best"]["last_step"] == 20 and "test_2016_flickr/beam5" in budgets["100/best"]["test"]
+
+
+def test_tune_decoding_scores_every_pair_like_evaluate_and_names_the_best(smoke_run, tmp_path):
+    best, output = smoke_run / "checkpoint_best.pt", tmp_path / "tuned.json"
+    grid = ["beam_sizes=[2,1]", "length_penalties=[0.0,1.0]", "decode.max_len_b=5"]
+    result = run("scripts/tune_decoding.py", f"checkpoint={best}", *grid, f"output={output}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tuned = json.loads(output.read_text())
+    rows = tuned["results"]
+    assert [(r["beam_size"], r["length_penalty"]) for r in rows] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0)]
+    assert tuned["best"] == max(rows, key=lambda r: r["bleu"]) and "split" not in tuned
+    assert tuned["source"].endswith("val.de.gz") and "tok:13a" in tuned["signatures"]["bleu"]
+    chosen = tuned["best"]
+    assert (
+        f"best: decode.beam_size={chosen['beam_size']} decode.length_penalty={chosen['length_penalty']:g}"
+        in result.stdout
+    )
+    evaluated = run(
+        "evaluate.py", f"checkpoint={best}", "split=val", "decode.max_len_b=5", "decode.beam_size=2",
+        "decode.length_penalty=1.0", f"output={tmp_path / 'hyp'}",
+    )  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert f"BLEU {rows[3]['bleu']:.2f} (" in evaluated.stdout  # the same decoding, scored the same way
 
 
 def test_results_table_prints_every_score_with_signatures(smoke_run):

@@ -44,5 +44,20 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
     return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
 
 
+def source_and_reference(cfg, train_config: dict) -> tuple[Path, Path]:
+    """The source and reference files to score: cfg.src and cfg.ref when given, else the split
+    cfg.split of the training run's corpus (cfg.data_dir, cfg.src_lang, cfg.tgt_lang override it)."""
+    from .data import DataConfig, corpus_file
+
+    if (cfg.src is None) != (cfg.ref is None):
+        raise ConfigError("give both src=PATH and ref=PATH, or neither (then split= is used)")
+    if cfg.src is not None:
+        return Path(cfg.src), Path(cfg.ref)
+    data = train_config.get("data", {})
+    directory = Path(cfg.data_dir or data.get("dir", DataConfig.dir))
+    src_lang, tgt_lang = cfg.src_lang or data.get("src_lang"), cfg.tgt_lang or data.get("tgt_lang")
+    return corpus_file(directory, cfg.split, src_lang), corpus_file(directory, cfg.split, tgt_lang)
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s", stream=sys.stderr)
