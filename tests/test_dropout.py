@@ -15,7 +15,7 @@ def test_mask_keeps_one_minus_p_with_independent_neighbours(p):
     assert mask.shape == (4, 250_001) and mask.dtype == torch.bool
     assert keep == pytest.approx(1 - p, abs=2**-16)
     assert mask.float().mean().item() == pytest.approx(keep, abs=0.003)  # 6 standard deviations
-    flat = mask.flatten()[: 1_000_000].float().view(-1, 4)  # the four quarters of each word
+    flat = mask.flatten()[:1_000_000].float().view(-1, 4)  # the four quarters of each word
     for i in range(4):
         for j in range(i + 1, 4):
             both = (flat[:, i] * flat[:, j]).mean().item()
