@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, setup_logging, source_and_reference
+from transformer.cli import ScoringInputs, load_decoder, parse_args, setup_logging, source_and_reference
 from transformer.config import exit_on_user_error
 from transformer.data import read_parallel, write_lines
 from transformer.decoding import DecodeConfig, translate
@@ -30,15 +30,7 @@ from transformer.monitoring import progress_bar
 
 
 @dataclass
-class EvaluateConfig:
-    checkpoint: str = "???"
-    ensemble: list[str] = field(default_factory=list)
-    split: str = "test_2016_flickr"
-    data_dir: Optional[str] = None
-    src_lang: Optional[str] = None
-    tgt_lang: Optional[str] = None
-    src: Optional[str] = None
-    ref: Optional[str] = None
+class EvaluateConfig(ScoringInputs):
     lowercase: bool = False
     output: Optional[str] = None
     device: str = "auto"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, setup_logging, source_and_reference
+from transformer.cli import ScoringInputs, load_decoder, parse_args, setup_logging, source_and_reference
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.data import read_parallel
 from transformer.decoding import DecodeConfig, translate
@@ -41,15 +41,8 @@ METRICS = ("bleu", "bleu_lc", "chrf")
 
 
 @dataclass
-class TuneConfig:
-    checkpoint: str = "???"
-    ensemble: list[str] = field(default_factory=list)
+class TuneConfig(ScoringInputs):
     split: str = "val"
-    data_dir: Optional[str] = None
-    src_lang: Optional[str] = None
-    tgt_lang: Optional[str] = None
-    src: Optional[str] = None
-    ref: Optional[str] = None
     beam_sizes: list[int] = field(default_factory=lambda: [1, 4, 5, 8])
     length_penalties: list[float] = field(default_factory=lambda: [0.0, 0.6, 1.0, 1.4])
     metric: str = "bleu"

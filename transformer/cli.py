@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -44,7 +46,22 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
     return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
 
 
-def source_and_reference(cfg, train_config: dict) -> tuple[Path, Path]:
+@dataclass
+class ScoringInputs:
+    """The arguments of a script that scores a checkpoint: the model (or an ensemble) and the
+    corpus to decode, a split of the training run's corpus or a source and reference file."""
+
+    checkpoint: str = "???"
+    ensemble: list[str] = field(default_factory=list)
+    split: str = "test_2016_flickr"
+    data_dir: Optional[str] = None
+    src_lang: Optional[str] = None
+    tgt_lang: Optional[str] = None
+    src: Optional[str] = None
+    ref: Optional[str] = None
+
+
+def source_and_reference(cfg: ScoringInputs, train_config: dict) -> tuple[Path, Path]:
     """The source and reference files to score: cfg.src and cfg.ref when given, else the split
     cfg.split of the training run's corpus (cfg.data_dir, cfg.src_lang, cfg.tgt_lang override it)."""
     from .data import DataConfig, corpus_file
