@@ -2,14 +2,17 @@
 
 On a CPU, torch's dropout draws every element's Bernoulli sample on its own: one call of the
 Mersenne Twister and a double-precision comparison per element, on one thread (torch uses MKL's
-vectorized generator for this on Intel CPUs only). On a 2-core AMD EPYC that is about 6 ns per
-element, and the masks of model=small were 6.5% of an fp32 training step.
+vectorized generator for this on Intel CPUs only). On a 2-core AMD EPYC (Zen 4) a mask of 4M
+elements took 40 ms, about 10 ns per element; in a profile of model=small the masks were 6.5% of
+an fp32 training step.
 
 `Dropout` here draws 64-bit random words instead, four elements to a word: each element keeps
 its value when its 16-bit quarter of the word is at or above a threshold. The drop probability
 is therefore rounded to a multiple of 2^-16 (0.3 becomes 0.300003), and kept values are scaled
 by the inverse of the exact keep probability, so the expectation is unchanged. The mask is
-saved for the backward pass as one byte per element (torch saves a float per element).
+saved for the backward pass as one byte per element (torch saves a float per element). On that
+EPYC, forward and backward of 4M elements take 13.6 ms against torch's 42.8, and a small fp32
+training step 0.4-3.5% less time (README, Speed).
 
 Masks come from torch's default generator, so `torch.manual_seed` makes them repeatable and
 activation recomputation (torch.utils.checkpoint) replays them. On other devices `Dropout`
