@@ -64,17 +64,11 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return MaskedScale.apply(x, mask, 1.0 / keep)
 
 
-class Dropout(nn.Module):
-    """nn.Dropout with the cheaper CPU mask of this module."""
+class Dropout(nn.Dropout):
+    """nn.Dropout (its checks, repr and type) with the cheaper CPU mask of this module."""
 
     def __init__(self, p: float = 0.5):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability must be between 0 and 1, got {p}")
-        self.p = p
+        super().__init__(p)
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}"
