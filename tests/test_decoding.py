@@ -7,7 +7,7 @@ import torch
 from transformer import checkpoint, decoding
 from transformer.data import pad
 from transformer.decoder_models import Ensemble, Uncached
-from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler, stay_in_place
+from transformer.decoding import DecodeConfig, beam_search, best_extensions, generate, greedy, sampler, stay_in_place
 from transformer.model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
@@ -188,3 +188,48 @@ def test_stay_in_place_permutes_survivors_and_keeps_every_parent_slot_it_can():
     stayed = (placed == torch.arange(5)).sum(1)
     distinct = torch.tensor([len(set(row)) for row in parents.tolist()])
     assert torch.equal(stayed, distinct)  # every parent slot holds one of its children: the most possible
+
+
+@pytest.mark.parametrize("sentences,width,vocab", [(64, 5, 8000), (3, 1, 8000), (7, 4, 1000), (2, 5, 97)])
+def test_best_extensions_are_the_top_of_every_beam_score_plus_token_log_probability(sentences, width, vocab):
+    torch.manual_seed(0)
+    lprobs, scores = torch.randn(sentences * width, vocab).log_softmax(-1), torch.randn(sentences, width)
+    lprobs[:, PAD] = -float("inf")
+    lprobs[-1, :] = -float("inf")  # a row forced to end, as at its maximum length
+    lprobs[-1, EOS] = -0.5
+    top, index = best_extensions(scores, lprobs, 10)
+    full = (scores.view(-1, 1) + lprobs).view(sentences, -1)
+    expected = full.topk(10, dim=1)
+    assert torch.equal(top, expected.values)
+    assert torch.equal(full.gather(1, index), top)  # each index points at its score
+    assert all(len(set(row)) == 10 for row in index.tolist())
+
+
+class RowCounter:
+    """A model wrapper that records the rows of every decoding step."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.rows = model, model.cfg, []
+
+    def encode(self, src, src_mask):
+        return self.model.encode(src, src_mask)
+
+    def new_state(self):
+        return self.model.new_state()
+
+    def decode(self, tgt, memory, src_mask, state):
+        self.rows.append(tgt.size(0))
+        return self.model.decode(tgt, memory, src_mask, state)
+
+
+@pytest.mark.parametrize("vocab_size", [30, 8])
+def test_beam_search_expands_one_row_per_sentence_at_the_first_step(vocab_size):
+    """The k beams would start identical. With fewer tokens than the 2k candidates a step keeps,
+    the first step has all k rows, and the search still agrees with full recomputation."""
+    model, src = make_model(vocab_size=vocab_size), batch([[t % vocab_size for t in s] for s in sources(6)])
+    cfg = DecodeConfig(beam_size=5, n_best=2, min_len=3)
+    counter = RowCounter(model)
+    cached = beam_search(counter, src, BOS, EOS, cfg)
+    assert counter.rows[:2] == ([6, 30] if vocab_size >= 10 else [30, 30])
+    uncached = beam_search(Uncached(model), src, BOS, EOS, cfg)
+    assert [[h.tokens for h in b] for b in cached] == [[h.tokens for h in b] for b in uncached]

@@ -122,3 +122,18 @@ def test_memory_does_not_grow_with_the_number_of_product_shapes():
     default = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)
     cache, lru, growth = default.stdout.split()
     assert (cache, lru) == ("1024", "1024") and float(growth) > 500
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_an_activation_inside_the_product_equals_one_after_it(activation, grad):
+    torch.manual_seed(0)
+    layer, x = Linear(16, 48), torch.randn(5, 7, 16, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        fused = layer(x, activation=activation)
+        after = getattr(F, activation)(F.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(fused, after, atol=1e-5, rtol=1e-5)
+    if grad:
+        (g1,) = torch.autograd.grad(fused.sum(), x)
+        (g2,) = torch.autograd.grad(after.sum(), x)
+        torch.testing.assert_close(g1, g2)

@@ -15,6 +15,7 @@ from transformer.model import (
     Transformer,
     causal_mask,
     cross_attend,
+    length_groups,
     padding_mask,
 )
 
@@ -280,3 +281,32 @@ def test_cross_attention_of_grouped_beams_equals_attention_to_repeated_memory():
         )
     torch.testing.assert_close(out, reference)
     torch.testing.assert_close(weights, ref_weights)
+
+
+def test_length_groups_hold_every_row_once_with_all_of_its_tokens():
+    torch.manual_seed(0)
+    lengths = torch.randint(1, 41, (64,))
+    real = torch.arange(40)[None, :] < lengths[:, None]
+    groups = length_groups(real, min_tokens=64)
+    rows = torch.cat([r for r, _ in groups])
+    assert sorted(rows.tolist()) == list(range(64))
+    for r, length in groups:
+        assert int(lengths[r].max()) == length
+    assert 1 < len(groups) < 64
+    padded = sum(len(r) * length for r, length in groups)
+    assert padded < 0.75 * 64 * 40  # most of the padding is gone
+    assert len(length_groups(real, min_tokens=10**6)) == 1  # small batches stay whole
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_encoding_in_length_groups_equals_encoding_the_padded_batch(variant):
+    model = make_model(**variant)
+    torch.manual_seed(1)
+    lengths = torch.randint(1, 33, (24,))
+    src = random_tokens(24, 32).masked_fill(torch.arange(32)[None, :] >= lengths[:, None], PAD)
+    mask = padding_mask(src, PAD)
+    assert len(length_groups(mask.flatten(1))) > 1
+    with torch.no_grad():
+        grouped, padded = model.encode(src, mask)[0], model.encode_padded(src, mask)[0]
+    real = mask.flatten(1)
+    torch.testing.assert_close(grouped[real], padded[real], atol=1e-5, rtol=1e-4)

@@ -81,13 +81,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.linear1, self.linear2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
         self.dropout = Dropout(activation_dropout)
-        self.activation = F.gelu if activation == "gelu" else F.relu
+        self.activation = "gelu" if activation == "gelu" else "relu"  # applied by linear1, see linear.linear
         for linear in (self.linear1, self.linear2):
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+        return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
 
 
 class SwiGLUFeedForward(nn.Module):

@@ -182,22 +182,25 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)  # (batch,)
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
-    tokens = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=src.device)
-    scores = torch.full((batch, k), -math.inf, device=src.device)  # log-probability of each live beam
-    scores[:, 0] = 0.0  # all beams start identical: let only the first one expand
+    # All k beams of a sentence would start identical, so the first step expands one row per
+    # sentence (unless the vocabulary is too small to give 2k candidates); later steps have k.
+    width = 1 if model.cfg.vocab_size >= 2 * k else k
+    tokens = torch.full((batch * width, 1), bos_id, dtype=torch.long, device=src.device)
+    scores = torch.full((batch, width), -math.inf, device=src.device)  # log-probability of each live beam
+    scores[:, 0] = 0.0  # with k rows at the first step, only the first one expands
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     sentence = list(range(batch))  # the input sentence of each sentence still in the batch
     done = torch.zeros(batch, dtype=torch.bool)
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        rows_max_len = max_len.repeat_interleave(k).to(src.device)
+        rows_max_len = max_len.repeat_interleave(width).to(src.device)
         lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len)
         vocab = lprobs.size(-1)
-        top, index = (scores.view(-1, 1) + lprobs).view(len(sentence), -1).topk(2 * k, dim=1)  # (sentences, 2k)
+        top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
         ends = (token == eos_id) & top.isfinite()
         present = [finished[i] for i in sentence]
-        add_finished(present, done, top, beam, ends, tokens, k, cfg)
+        add_finished(present, done, top, beam, ends, tokens, width, cfg)
         # The best k candidates that do not end in EOS continue (a stable sort keeps their order).
         keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
         scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
@@ -206,7 +209,8 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
         done |= search_done(present, scores.cpu(), max_len, step, k, cfg.length_penalty)
         if done.all():
             break
-        rows = torch.arange(len(sentence), device=src.device)[:, None] * k + beam  # (sentences, k)
+        rows = torch.arange(len(sentence), device=src.device)[:, None] * width + beam  # (sentences, k)
+        width = k
         if worth_pruning(int(done.sum()), len(sentence)):  # finished sentences leave the batch
             live = (~done).nonzero().flatten()
             sentence, done, live = [sentence[i] for i in live.tolist()], done[live], live.to(src.device)
@@ -218,6 +222,32 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
             state.reorder_targets(rows)  # beams move within their sentence
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
+
+
+def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The `count` best one-token extensions of each sentence's beams: scores (sentences, width)
+    and lprobs (sentences * width, vocab) -> their scores and indices (beam * vocab + token),
+    each (sentences, count), sorted best first.
+
+    The same as the top `count` of scores + lprobs over each sentence's width * vocab entries,
+    without writing out that sum: the rows are cut into chunks, and the best `count` entries lie
+    in the `count` chunks with the highest maxima (a chunk holding one of them has a maximum at
+    least as high, and at most count - 1 other chunks can have a higher one). So one pass finds
+    the chunk maxima and only those chunks are read again."""
+    n, width = scores.shape
+    vocab = lprobs.size(1)
+    chunk = next((c for c in range(256, 15, -1) if vocab % c == 0), None)
+    if chunk is None or width * vocab <= 4 * count * chunk:  # no chunk size fits, or little to skip
+        return (scores.view(-1, 1) + lprobs).view(n, -1).topk(count, dim=1)
+    per_row = vocab // chunk
+    chunks = lprobs.view(n * width, per_row, chunk)
+    maxima = (chunks.amax(-1) + scores.view(-1, 1)).view(n, width * per_row)
+    best = maxima.topk(count, dim=1).indices  # (n, count): chunk numbers within each sentence
+    beam = best // per_row
+    rows = torch.arange(n, device=lprobs.device)[:, None] * width + beam
+    values = chunks[rows, best % per_row] + scores.gather(1, beam)[..., None]  # (n, count, chunk)
+    top, where = values.view(n, -1).topk(count, dim=1)
+    return top, best.gather(1, where // chunk) * chunk + where % chunk
 
 
 def stay_in_place(parents: Tensor) -> Tensor:
@@ -254,15 +284,17 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_
     return lprobs
 
 
-def add_finished(finished, done, top, beam, ends, tokens, k: int, cfg: DecodeConfig) -> None:
-    """Record candidates ranked among the best k that end in EOS (sentences not yet done)."""
+def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: DecodeConfig) -> None:
+    """Record candidates ranked among the best k that end in EOS (sentences not yet done);
+    tokens holds `width` rows per sentence."""
+    k = cfg.beam_size
     length = tokens.size(1)  # generated tokens so far + BOS = this hypothesis' length with its EOS
     penalty = length_penalty(length, cfg.length_penalty)
     for sent, rank in ends[:, :k].nonzero().tolist():
         if done[sent]:
             continue
         log_prob = float(top[sent, rank])
-        row = sent * k + int(beam[sent, rank])
+        row = sent * width + int(beam[sent, rank])
         finished[sent].append(Hypothesis(tokens[row, 1:].tolist(), log_prob / penalty, log_prob))
 
 

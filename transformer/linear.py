@@ -58,9 +58,12 @@ def onednn_enabled() -> bool:
 TRANSPOSE_LIMIT = 2**23  # elements of dY (32 MB in fp32) above which dW = dY^T X goes to BLAS
 
 
-def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x W^T + b by oneDNN; weight is (out, in), plain or reordered by PackedWeight."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # those oneDNN can apply inside the product
+
+
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
+    """activation(x W^T + b) by oneDNN; weight is (out, in), plain or reordered by PackedWeight."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation or "none", [], "none" if activation else "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -121,14 +124,25 @@ def _use_onednn(x: Tensor, weight: Tensor) -> bool:
     )
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, packed: PackedWeight | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    packed: PackedWeight | None = None,
+    activation: str | None = None,
+) -> Tensor:
     """F.linear(x, weight, bias), on oneDNN for CPU fp32; `packed` caches the reordered weight
-    for inference."""
+    for inference. `activation` ("relu" or "gelu") is applied to the result: at inference on
+    oneDNN inside the product, which saves a pass over the output."""
     if not _use_onednn(x, weight):
-        return F.linear(x, weight, bias)
+        return _activate(F.linear(x, weight, bias), activation)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):  # fmt: skip
-        return _OneDNNLinear.apply(x, weight, bias)
-    return _product(x, packed.get(weight) if packed is not None else weight, bias)
+        return _activate(_OneDNNLinear.apply(x, weight, bias), activation)
+    return _product(x, packed.get(weight) if packed is not None else weight, bias, activation)
+
+
+def _activate(x: Tensor, activation: str | None) -> Tensor:
+    return x if activation is None else ACTIVATIONS[activation](x)
 
 
 class Linear(nn.Linear):
@@ -138,5 +152,5 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+    def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
+        return linear(x, self.weight, self.bias, self.packed, activation)

@@ -101,6 +101,27 @@ def causal_mask(query_len: int, offset: int = 0, device: torch.device | None = N
     return (key_pos <= query_pos)[None, None]
 
 
+def length_groups(real: Tensor, min_tokens: int = 256, ratio: float = 0.8) -> list[tuple[Tensor, int]]:
+    """Split a batch into groups of sentences of similar length, for encoding without most of
+    the padding: real (batch, len), True at real tokens -> [(rows, length)], each group's rows
+    and the length that holds all of their tokens.
+
+    Going from the longest sentence down, a group ends where the next sentence is shorter than
+    `ratio` times the group's longest, once the group holds `min_tokens` padded tokens (smaller
+    groups would pay more in per-product overhead than they save)."""
+    positions = torch.arange(1, real.size(1) + 1, device=real.device)
+    lengths = (real * positions).amax(1)  # up to the last real token, wherever the padding is
+    order = lengths.argsort(descending=True, stable=True).tolist()
+    sizes = lengths.tolist()
+    groups, start = [], 0
+    for i in range(1, len(order) + 1):
+        longest = sizes[order[start]]
+        if i == len(order) or (sizes[order[i]] < ratio * longest and (i - start) * longest >= min_tokens):
+            groups.append((torch.tensor(order[start:i], device=real.device), max(longest, 1)))
+            start = i
+    return groups
+
+
 # --- Layers -------------------------------------------------------------------------------------
 
 
@@ -232,7 +253,26 @@ class Transformer(nn.Module):
         return self.embed_dropout(self.positions(self.embed(tokens), offset))
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
-        """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights."""
+        """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights.
+
+        At inference (no gradients, no weights asked for), a batch of mixed lengths is encoded in
+        groups of similar length (see `length_groups`), so the encoder's products skip most of
+        the padding. Memory past a group's longest sentence is zero; the mask hides it anyway."""
+        if need_weights or torch.is_grad_enabled() or self.training:
+            return self.encode_padded(src, src_mask, need_weights)
+        groups = length_groups(src_mask.flatten(1))
+        if len(groups) == 1 and groups[0][1] == src.size(1):
+            return self.encode_padded(src, src_mask)
+        memory, weights = None, []
+        for rows, length in groups:
+            out, weights = self.encode_padded(src[rows, :length], src_mask[rows, ..., :length])
+            if memory is None:
+                memory = out.new_zeros(src.size(0), src.size(1), out.size(-1))
+            memory[rows, :length] = out
+        return memory, weights
+
+    def encode_padded(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
+        """`encode` of the whole padded batch at once."""
         x, weights = self.embed_tokens(src), []
         for layer in self.encoder_layers:
             x, w = self.run_layer(layer, x, src_mask, need_weights)
