@@ -142,7 +142,9 @@ def calibration_inputs(model: Transformer, batches: list[tuple[Tensor, Tensor]])
                 keep[id(attn)] = src_keep
             for attn in modules["decoder_self"]:
                 keep[id(attn)] = tgt_keep
-            model.decode(tgt, model.encode(src, padding_mask(src, model.cfg.pad_id))[0], padding_mask(src, model.cfg.pad_id))  # fmt: skip
+            src_mask = padding_mask(src, model.cfg.pad_id)
+            # The whole padded batch, which `keep` indexes (encode would split it by length).
+            model.decode(tgt, model.encode_padded(src, src_mask)[0], src_mask)
     finally:
         for h in hooks:
             h.remove()
