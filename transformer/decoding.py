@@ -14,6 +14,7 @@ models' probabilities.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -236,7 +237,7 @@ def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor,
     the chunk maxima and only those chunks are read again."""
     n, width = scores.shape
     vocab = lprobs.size(1)
-    chunk = next((c for c in range(256, 15, -1) if vocab % c == 0), None)
+    chunk = chunk_size(vocab)
     if chunk is None or width * vocab <= 4 * count * chunk:  # no chunk size fits, or little to skip
         return (scores.view(-1, 1) + lprobs).view(n, -1).topk(count, dim=1)
     per_row = vocab // chunk
@@ -248,6 +249,13 @@ def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor,
     values = chunks[rows, best % per_row] + scores.gather(1, beam)[..., None]  # (n, count, chunk)
     top, where = values.view(n, -1).topk(count, dim=1)
     return top, best.gather(1, where // chunk) * chunk + where % chunk
+
+
+@functools.cache
+def chunk_size(vocab: int) -> int | None:
+    """The largest divisor of the vocabulary size from 16 to 256 (None if there is none): the
+    chunk `best_extensions` cuts rows into. Cached, since every beam-search step asks."""
+    return next((c for c in range(256, 15, -1) if vocab % c == 0), None)
 
 
 def stay_in_place(parents: Tensor) -> Tensor:
