@@ -216,7 +216,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
         (loss / batch[3]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        float(loss)
+        loss.item()  # the host sync a real training loop has once per step
         if i >= 2:  # the first two steps warm up allocators and kernels
             elapsed += time.perf_counter() - start
             tokens += batch[3]

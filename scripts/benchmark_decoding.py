@@ -39,7 +39,7 @@ from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.devices import cpu_has_bf16_matmul
-from transformer.linear import onednn_enabled, set_onednn
+from transformer.linear import onednn, onednn_enabled
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
 
@@ -111,11 +111,8 @@ def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> t
 
 def without_onednn(fn):
     """fn() with fp32 products on torch's BLAS instead of oneDNN (transformer/linear.py)."""
-    previous = set_onednn(False)
-    try:
+    with onednn(False):
         return fn()
-    finally:
-        set_onednn(previous)
 
 
 def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:

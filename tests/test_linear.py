@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer.linear
-from transformer.linear import CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear, onednn_enabled, set_onednn
+from transformer.linear import CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear, onednn, onednn_enabled
 from transformer.model import ModelConfig, Transformer
 
 pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN path off or unavailable")
@@ -64,18 +64,14 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
     model = Transformer(cfg)
     src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 6))
     results = []
-    previous = onednn_enabled()
-    try:
-        for enabled in (False, True):
-            set_onednn(enabled)
+    for enabled in (False, True):
+        with onednn(enabled):
             model.zero_grad()
             logits = model(src, tgt)
             logits.square().mean().backward()
             with torch.no_grad():
                 inference = model(src, tgt)
-            results.append((logits.detach(), inference, [p.grad.clone() for p in model.parameters()]))
-    finally:
-        set_onednn(previous)
+        results.append((logits.detach(), inference, [p.grad.clone() for p in model.parameters()]))
     (blas, blas_inf, blas_grads), (ours, ours_inf, our_grads) = results
     torch.testing.assert_close(ours, blas, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ours_inf, blas_inf, rtol=1e-4, atol=1e-5)

@@ -29,6 +29,7 @@ this module is imported before oneDNN's first product in the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -53,6 +54,16 @@ def set_onednn(enabled: bool) -> bool:
 
 def onednn_enabled() -> bool:
     return _enabled
+
+
+@contextlib.contextmanager
+def onednn(enabled: bool):
+    """The oneDNN path on or off inside a `with` block (benchmarks and tests compare the two)."""
+    previous = set_onednn(enabled)
+    try:
+        yield
+    finally:
+        set_onednn(previous)
 
 
 TRANSPOSE_LIMIT = 2**23  # elements of dY (32 MB in fp32) above which dW = dY^T X goes to BLAS
