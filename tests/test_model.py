@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.attention import MultiHeadAttention, fast_attention, product_attention
+from transformer.attention import MultiHeadAttention, attention_with_weights, fast_attention, product_attention
 from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
 from transformer.model import (
@@ -126,10 +126,10 @@ def test_head_layouts_shapes_and_paths_agree(n_kv_heads):
     torch.testing.assert_close(out, fast)
 
 
-@pytest.mark.parametrize("grad", [False, True], ids=["no-grad-products", "grad-math"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
-    """bf16 on CPU takes the batched products without gradients (one query here) and the math
-    kernel with them; both must give the fp32 result to bf16 precision, masks included."""
+    """bf16 on CPU takes the batched products, for decoding (one query here) and for training;
+    both must give the fp32 result to bf16 precision, masks included."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 4, n, 16) for n in (1, 9, 9))
     mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
@@ -157,6 +157,22 @@ def test_product_attention_equals_the_fused_kernel(kv_heads, q_len, mask_rows):
         mask[..., 0] = True  # every query keeps a key
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
     torch.testing.assert_close(product_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_product_attention_drops_weights_like_the_explicit_path():
+    """With attention dropout (training), the products drop the same weights as the explicit
+    softmax-dropout-matmul path from the same seed, and gradients reach q, k and v."""
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (5, 7, 7))
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True
+    torch.manual_seed(3)
+    out = product_attention(q, k, v, mask, dropout_p=0.5)
+    torch.manual_seed(3)
+    expected, _ = attention_with_weights(q, k, v, mask, dropout_p=0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, product_attention(q, k, v, mask))  # something was dropped
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
 
 
 def test_attention_weights_are_distributions_that_respect_masks():

@@ -12,7 +12,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import cache
 from .linear import Linear
@@ -42,12 +41,14 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
     """F.scaled_dot_product_attention with grouped-query support; same shapes as above.
 
-    Two CPU cases (torch 2.13, measured on 2 cores) take another route:
-    - bf16 with gradients: the flash kernel's backward pass is 2-3x slower than the plain math
-      kernel's, so training takes the math kernel.
+    Two CPU cases (torch 2.13, measured on 2 cores) take two batched products instead
+    (`product_attention`):
+    - bf16 with gradients (training under autocast): forward + backward at the training shapes
+      of Multi30k batches took 2.4-2.6x less time than the math kernel and 3.7-8x less than the
+      flash kernel on a Zen 5 EPYC (on a Zen 4 the flash kernel's backward was also the slowest),
+      and they keep q, k, v in bf16 for the backward pass where the math kernel saves fp32 copies;
     - inference with few queries (a decoding step: one query per row, or a sentence's beams folded
-      together) or, in bf16, short keys: the fused kernels cost 1.3-4x as much as two batched
-      products (`product_attention`), so those shapes take the products.
+      together) or, in bf16, short keys: the fused kernels cost 1.3-4x as much as the products.
     """
     gqa = k.size(1) != q.size(1)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -55,14 +56,13 @@ def fast_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout
         if q.size(2) <= 16 or (q.dtype == torch.bfloat16 and k.size(2) <= 128):
             return product_attention(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and needs_grad:
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        return product_attention(q, k, v, mask, dropout_p)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-def product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """softmax(QK^T / sqrt(d_head)) V as two batched matrix products and an fp32 softmax, without
-    dropout or weights; same shapes as fast_attention.
+def product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float = 0.0) -> Tensor:
+    """softmax(QK^T / sqrt(d_head)) V as two batched matrix products and an fp32 softmax, with
+    dropout on the weights but without returning them; same shapes as fast_attention.
 
     Grouped-query heads fold into the query length when the mask allows (one row per key), so
     each key/value head is read once for its whole group instead of being copied per query head."""
@@ -77,6 +77,8 @@ def product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     weights = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))  # bf16: in fp32
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, dropout_p)
     out = torch.matmul(weights.to(v.dtype), v)
     return out.reshape(batch, heads, q_len, d_head) if folded else out
 
