@@ -46,11 +46,13 @@ def test_the_packed_inference_weight_follows_every_change_of_the_weight():
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        first = layer.packed.packed
-        assert first is not None and first.is_mkldnn
+        first = layer.packed.entries[torch.float32][1]
+        assert first.is_mkldnn
         layer.weight.mul_(-2.0)  # in place, as an optimizer step does
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert layer.packed.packed is not first
+        assert layer.packed.entries[torch.float32][1] is not first
+        layer.bias.add_(1.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
         layer.load_state_dict({"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     clone = copy.deepcopy(layer)  # copies start without the packed tensor
@@ -79,10 +81,37 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_bf16_autocast_keeps_torchs_own_path():
+def test_bf16_autocast_training_keeps_torchs_own_path():
     layer, x = Linear(16, 8), torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert layer(x).dtype == torch.bfloat16
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and type(out.grad_fn).__name__ == "AddmmBackward0"
+    assert not layer.packed.entries
+
+
+@pytest.mark.skipif(not transformer.linear._BF16_SUPPORTED, reason="oneDNN has no bf16 products on this CPU")
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_bf16_autocast_inference_uses_a_packed_bf16_weight_and_gives_f_linears_result(bias, activation):
+    torch.manual_seed(0)
+    layer, x = Linear(64, 48, bias=bias), torch.randn(3, 5, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = F.linear(x, layer.weight, layer.bias)
+        reference = reference if activation is None else F.relu(reference)
+        out = layer(x, activation)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
+        first = layer.packed.entries[torch.bfloat16][1]
+        assert first.is_mkldnn and first.dtype == torch.bfloat16
+        layer.weight.mul_(-1.0)  # the bf16 copy follows the weight, inside the same autocast block
+        out = layer(x, activation)
+        assert layer.packed.entries[torch.bfloat16][1] is not first
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast's own copy would not follow)
+        reference = F.linear(x, layer.weight, layer.bias)
+        reference = reference if activation is None else F.relu(reference)
+    torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
+    with torch.no_grad():  # and fp32 inference, outside autocast, keeps its own fp32 weight
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 MEMORY_PROBE = """
