@@ -95,21 +95,22 @@ def test_bf16_autocast_training_keeps_torchs_own_path():
 def test_bf16_autocast_inference_uses_a_packed_bf16_weight_and_gives_f_linears_result(bias, activation):
     torch.manual_seed(0)
     layer, x = Linear(64, 48, bias=bias), torch.randn(3, 5, 64)
+
+    def reference():  # autocast's own bf16 copy of the weight lasts until the outermost block ends
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = F.linear(x, layer.weight, layer.bias)
+        return out if activation is None else F.relu(out)
+
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        reference = F.linear(x, layer.weight, layer.bias)
-        reference = reference if activation is None else F.relu(reference)
         out = layer(x, activation)
         assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out, reference(), rtol=1e-2, atol=1e-2)
         first = layer.packed.entries[torch.bfloat16][1]
         assert first.is_mkldnn and first.dtype == torch.bfloat16
         layer.weight.mul_(-1.0)  # the bf16 copy follows the weight, inside the same autocast block
         out = layer(x, activation)
         assert layer.packed.entries[torch.bfloat16][1] is not first
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast's own copy would not follow)
-        reference = F.linear(x, layer.weight, layer.bias)
-        reference = reference if activation is None else F.relu(reference)
-    torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, reference(), rtol=1e-2, atol=1e-2)  # outside, so it sees the change
     with torch.no_grad():  # and fp32 inference, outside autocast, keeps its own fp32 weight
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 

@@ -146,15 +146,15 @@ def _use_onednn(x: Tensor, weight: Tensor) -> bool:
 
 def _packs_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Inference under CPU bf16 autocast, which the packed bf16 weight can serve."""
-    return (
+    return (  # the autocast check first: fp32 training and inference leave at it
         _enabled
         and _BF16_SUPPORTED
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
         and x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == torch.float32
         and x.numel() > 0
-        and torch.is_autocast_enabled("cpu")
-        and torch.get_autocast_dtype("cpu") == torch.bfloat16
         and not _needs_grad(x, weight, bias)
         and not torch.compiler.is_compiling()
     )
