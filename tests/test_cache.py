@@ -42,3 +42,21 @@ def test_state_dict_helpers_keep_plain_tensors_for_readers():
     cache.reorder(state, torch.tensor([2, 0]))
     assert state["static"].flatten().tolist() == [2.0, 0.0]  # plain tensors are gathered as before
     assert state["k"].shape == (2, 3)
+
+
+def test_the_whole_buffer_is_finite_past_its_contents():
+    """Readers of `cache.whole` mask the empty slots, which must still hold numbers: a masked slot
+    gets weight 0, and 0 * NaN is NaN. Memory just freed is full of NaN here, so an allocation
+    that reuses it uninitialized shows."""
+    state, rows = {}, torch.arange(6)
+    for step in range(20):  # capacity 16 -> 32; rows 6 -> 4 (gathered into a new buffer)
+        torch.full((6, 2, 64, 8), float("nan")).sum()  # allocated, filled and freed
+        cache.append(state, "k", torch.randn(rows.numel(), 2, 1, 8), dim=2)
+        if step == 17:
+            rows = torch.tensor([5, 0, 2, 2])
+            torch.full((6, 2, 64, 8), float("nan")).sum()
+            cache.reorder(state, rows)
+        buffer, filled = cache.whole(state, "k")
+        assert buffer.is_contiguous() and buffer.isfinite().all()
+        torch.testing.assert_close(buffer.narrow(2, 0, filled), state["k"], rtol=0, atol=0)
+    assert cache.whole(state, "v") is None and cache.whole(state, "k")[0].size(2) == 32

@@ -83,6 +83,27 @@ def product_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, drop
     return out.reshape(batch, heads, q_len, d_head) if folded else out
 
 
+def whole_cache(state: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A decoding step's self-attention keys and values as the cache's whole buffers, with a mask
+    that hides the slots past the tokens so far: (k, v, mask), or the arguments unchanged (no mask)
+    when the cache holds no growing buffers.
+
+    For bf16 on CPU torch's batched product copies an operand whose batches are not packed one
+    after the other, and the cached keys and values, a narrowed view of a longer buffer, are not.
+    The whole buffer is, so the products read it in place: at the decoding shapes of the small and
+    base models (64-320 rows, 4-8 heads, 17-30 tokens in a 32-slot buffer) the attention took 1.6-2.5x
+    less time on a Zen 5 EPYC, with the same result, although it scores up to twice the keys.
+    In fp32 the product reads the view in place, so this is for bf16 only."""
+    keys, values = cache.whole(state, "k"), cache.whole(state, "v")
+    if keys is None or values is None:
+        return k, v, None
+    (k_buffer, filled), (v_buffer, _) = keys, values
+    if filled == k_buffer.size(2):  # full: the view is the buffer
+        return k, v, None
+    mask = torch.arange(k_buffer.size(2), device=k.device) < filled
+    return k_buffer, v_buffer, mask.view(1, 1, 1, -1)
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (RoPE, Su et al. 2021): rotate each pair of query/key features
     by an angle proportional to the position, so q.k depends on the positions' difference only.
@@ -155,7 +176,8 @@ class MultiHeadAttention(nn.Module):
         keys and values are None when the state already holds them (cross-attention, later steps).
 
         (One product with the three weights concatenated was measured as no faster on CPU, within
-        +-3% at the small and base sizes, so the three products stay separate and plain.)"""
+        +-3% at the small and base sizes, in training and in decoding steps with the stacked weight
+        packed for oneDNN, fp32 and bf16, so the three products stay separate and plain.)"""
         if state is not None and static_kv and "k" in state:
             return self.w_q(query), None, None
         return self.w_q(query), self.w_k(source), self.w_v(source)
@@ -195,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             return attention_with_weights(q, k, v, mask, dropout_p)
+        if mask is None and state is not None and not static_kv and k.dtype == torch.bfloat16 and k.is_cpu:
+            k, v, mask = whole_cache(state, k, v)
         return fast_attention(q, k, v, mask, dropout_p), None
 
     def combine_heads(self, out: Tensor, query: Tensor) -> Tensor:

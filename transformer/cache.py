@@ -9,6 +9,8 @@ buffer that is kept for the next reorder.
 
 A layer's cache is a plain dict (see MultiHeadAttention). `append` keeps the name it is given
 pointing at the current contents, a view of the buffer, so readers see an ordinary tensor.
+`whole` hands out the buffer itself, slots past the contents included: they hold zeros or
+earlier rows, never uninitialized memory, so a reader that masks them can use the buffer whole.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class GrowingCache:
     def grow(self, capacity: int, like: Tensor) -> None:
         shape = list(like.shape)
         shape[self.dim] = capacity
-        buffer = like.new_empty(shape)
+        buffer = like.new_zeros(shape)  # finite past the contents too (see `whole`)
         if self.length:
             buffer.narrow(self.dim, 0, self.length).copy_(self.value)
         self.buffer, self.spare = buffer, None
@@ -62,7 +64,7 @@ class GrowingCache:
                 value.index_copy_(0, moved, value.index_select(0, index[moved]))  # reads before it writes
             return
         if self.spare is None or self.spare.size(0) < rows:
-            self.spare = self.buffer.new_empty((rows, *self.buffer.shape[1:]))
+            self.spare = self.buffer.new_zeros((rows, *self.buffer.shape[1:]))
         target = self.spare[:rows]
         torch.index_select(self.value, 0, index, out=target.narrow(self.dim, 0, self.length))
         self.buffer, self.spare = target, self.buffer
@@ -75,6 +77,16 @@ def append(state: dict, name: str, x: Tensor, dim: int) -> Tensor:
         caches[name] = GrowingCache(dim)
     state[name] = caches[name].append(x)
     return state[name]
+
+
+def whole(state: dict, name: str) -> tuple[Tensor, int] | None:
+    """The buffer behind state[name], capacity and all, and how many of its slots are filled;
+    None when state[name] is not a growing cache. The buffer is contiguous and finite throughout.
+    (See MultiHeadAttention.attend, which uses this where reading a narrowed view would copy it.)"""
+    grown = state.get(GROWING, {}).get(name)
+    if grown is None:
+        return None
+    return grown.buffer, grown.length
 
 
 def reorder(state: dict, index: Tensor) -> None:
