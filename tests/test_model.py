@@ -144,72 +144,6 @@ def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad)
         assert q16.grad is not None and k16.grad[1, :, 6:].abs().max() == 0  # masked keys get no gradient
 
 
-@pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
-def test_bf16_decoding_reads_the_whole_cache_buffer_with_the_same_result(n_kv_heads, monkeypatch):
-    """bf16 decoding steps on CPU attend over the self-attention cache's whole buffer, its empty
-    slots masked (attention.whole_cache). Each step's logits must match those from the cached
-    tokens alone, before and after the buffer grows (16 -> 32 slots) and after a reorder."""
-    from transformer import attention
-
-    model, src = make_model(n_kv_heads=n_kv_heads), random_tokens(3, 5)
-    src_mask = padding_mask(src, PAD)
-    tgt = random_tokens(3, 20)
-    key_lengths, whole_cache = [], attention.whole_cache
-
-    def spy(state, k, v):
-        k, v, mask = whole_cache(state, k, v)
-        key_lengths.append(k.size(2))
-        return k, v, mask
-
-    def steps(whole: bool) -> list[torch.Tensor]:
-        with monkeypatch.context() as patch, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            patch.setattr(attention, "whole_cache", spy if whole else lambda state, k, v: (k, v, None))
-            mask, rows = src_mask, torch.arange(3)
-            memory, _ = model.encode(src, mask)
-            state, logits = DecoderState(), []
-            for i in range(tgt.size(1)):
-                logits.append(model.decode(tgt[rows, i : i + 1], memory, mask, state)[0].float())
-                if i == 9:  # keep rows 2, 0, 0, as beam search or pruning would
-                    rows = torch.tensor([2, 0, 0])
-                    state.reorder(rows)
-                    memory, mask = memory[rows], mask[rows]
-        return logits
-
-    whole, narrowed = steps(True), steps(False)
-    assert key_lengths[0] == 16 and key_lengths[-1] == 32  # the whole buffer, not the tokens so far
-    for a, b in zip(whole, narrowed):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
-
-
-def test_bf16_decoding_keeps_cross_attention_keys_and_values_in_fp32(monkeypatch):
-    """Under bf16 autocast on CPU the cross-attention cache is fp32 and its products run in fp32
-    (attention.FP32_CROSS); the logits agree with bf16 cross-attention to bf16 precision. A model
-    cast to bf16 (no autocast) decodes through the same path and gets bf16 logits."""
-    from transformer import attention
-
-    model, src, tgt = make_model(), random_tokens(3, 5), random_tokens(3, 6)
-    src_mask = padding_mask(src, PAD)
-
-    def decode(model, autocast: bool) -> tuple[torch.Tensor, DecoderState]:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            memory, _ = model.encode(src, src_mask)
-            state = DecoderState()
-            steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, state)[0] for i in range(tgt.size(1))]
-        return torch.cat(steps, dim=1), state
-
-    logits, state = decode(model, True)
-    assert state.layers[0]["cross"]["k"].dtype == state.layers[0]["cross"]["v"].dtype == torch.float32
-    assert state.layers[0]["self"]["k"].dtype == torch.bfloat16
-    monkeypatch.setattr(attention, "FP32_CROSS", False)
-    bf16_cross, state = decode(model, True)
-    assert state.layers[0]["cross"]["k"].dtype == torch.bfloat16
-    torch.testing.assert_close(logits.float(), bf16_cross.float(), rtol=2e-2, atol=2e-2)
-    monkeypatch.setattr(attention, "FP32_CROSS", True)
-    pure, state = decode(make_model().bfloat16(), False)
-    assert pure.dtype == torch.bfloat16 and state.layers[0]["cross"]["k"].dtype == torch.float32
-    torch.testing.assert_close(pure.float(), bf16_cross.float(), rtol=0.1, atol=0.1)
-
-
 @pytest.mark.parametrize("kv_heads, q_len, mask_rows", [(4, 1, 1), (2, 3, 1), (1, 5, 5), (4, 7, 7), (2, 4, 0)], ids=str)
 def test_product_attention_equals_the_fused_kernel(kv_heads, q_len, mask_rows):
     """The decoding-step route (two batched products) computes what scaled_dot_product_attention
@@ -277,20 +211,6 @@ def test_incremental_decoding_equals_full_recomputation(variant):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
     n_kv = model.cfg.kv_heads
     assert state.layers[0]["self"]["k"].shape == (3, n_kv, 7, model.cfg.head_size)  # shrinks with n_kv_heads
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_bf16_incremental_decoding_agrees_with_full_recomputation(variant):
-    """The same under CPU bf16 autocast, where decoding steps read the self-attention cache's
-    whole buffer and keep cross-attention in fp32: to bf16 precision, for every variant."""
-    model, src, tgt = make_model(**variant), random_tokens(3, 6), random_tokens(3, 18)
-    src_mask = padding_mask(src, PAD)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        full = model(src, tgt).float()
-        memory, _ = model.encode(src, src_mask)
-        state = DecoderState()
-        steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, state)[0].float() for i in range(tgt.size(1))]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0.05, atol=0.05)
 
 
 def test_greedy_matches_argmax_of_uncached_recomputation():
