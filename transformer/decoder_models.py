@@ -71,6 +71,11 @@ class Ensemble:
         self.models = models
         self.cfg = dataclasses.replace(first, max_positions=min(m.cfg.max_positions for m in models))
 
+    def eval(self) -> Ensemble:
+        for model in self.models:
+            model.eval()
+        return self
+
     def encode(self, src: Tensor, src_mask: Tensor):
         return [model.encode(src, src_mask)[0] for model in self.models], None
 

@@ -88,6 +88,11 @@ class World:
         return box[0]
 
 
+def launched() -> bool:
+    """Whether torchrun started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def start(device: torch.device) -> World:
     """Join the process group torchrun set up (if any)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -29,6 +29,7 @@ from .data import (
 )
 from .decoding import translate_corpus
 from .devices import autocast_dtype, pick_device
+from .errors import ConfigError
 from .evaluation import score
 from .model import Transformer, count_parameters
 from .resume import check_compatible, clear_run, make_deterministic, resume_path
@@ -141,7 +142,9 @@ def evaluate_tests(
     return results
 
 
-def evaluate_average(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, valid, device) -> dict:
+def evaluate_average(
+    cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, valid, device, tests: bool = True
+) -> dict:
     """Average the last trainer.average_last numbered checkpoints into checkpoint_avg<N>.pt and
     score it on the validation split (greedy, as checkpoints are selected) and the test splits."""
     paths = checkpoint.numbered(run_dir)[-cfg.trainer.average_last :]
@@ -159,7 +162,10 @@ def evaluate_average(cfg, run_dir: Path, model: Transformer, tokenizer: Tokenize
         f"averaged the checkpoints of steps {', '.join(p.stem.split('_')[1] for p in paths)} into "
         f"checkpoint_{name}.pt: validation BLEU {valid_bleu:.2f} (greedy)"
     )
-    return {"average": {"checkpoints": [p.name for p in paths], "valid_bleu": valid_bleu}, f"test_{name}": evaluate_tests(cfg, run_dir, model, tokenizer, device, tag=f"{name}.")}  # fmt: skip
+    summary = {"average": {"checkpoints": [p.name for p in paths], "valid_bleu": valid_bleu}}
+    if tests:
+        summary[f"test_{name}"] = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag=f"{name}.")
+    return summary
 
 
 def report(message: str) -> None:
@@ -188,17 +194,25 @@ def remove_hydra_only_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def run(cfg, run_dir: Path) -> dict:
-    """Train (or resume), then evaluate the best checkpoint on the test splits. Returns the test
-    scores (on rank 0; other ranks of a distributed run return an empty dict after training)."""
+def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None) -> dict:
+    """Train (or resume), then evaluate the best checkpoint on the test splits (unless tests=False).
+    Returns the test scores (on rank 0; other ranks of a distributed run return an empty dict after
+    training). trainer.members > 1 trains several models at once and ensembles them (members.py).
+    A given tokenizer is used instead of training one (members share their parent's)."""
+    if cfg.trainer.members > 1:
+        from .members import run_members
+
+        if distributed.launched():
+            raise ConfigError("trainer.members > 1 trains in separate processes; it cannot run under torchrun")
+        return run_members(cfg, Path(run_dir))
     world, device, run_dir = join_world(cfg, Path(run_dir))
     try:
-        return run_in_world(cfg, run_dir, world, device)
+        return run_in_world(cfg, run_dir, world, device, tests, tokenizer)
     finally:
         distributed.stop(world)
 
 
-def prepare_in_world(cfg, run_dir: Path, world: distributed.World):
+def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: Tokenizer | None = None):
     """(checkpoint to resume or None, tokenizer, train, valid). Rank 0 alone clears the directory,
     checks what to resume and trains the tokenizer; the others then read what it decided (and
     stop quietly if it refused the run)."""
@@ -206,7 +220,7 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World):
     if world.is_main:
         try:
             resumed = checkpoint_to_resume(cfg, run_dir)
-            saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else None
+            saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else tokenizer
             tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
         except USER_ERRORS as e:
             failure = e
@@ -221,7 +235,9 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World):
     return resumed, tokenizer, train, valid
 
 
-def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.device) -> dict:
+def run_in_world(
+    cfg, run_dir: Path, world: distributed.World, device: torch.device, tests: bool = True, tokenizer=None
+) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     if cfg.trainer.deterministic:
@@ -235,7 +251,7 @@ def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.dev
         autocast_dtype(cfg.trainer.precision, device),
         f", {world.size} processes" if world.distributed else "",
     )
-    resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world)
+    resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer)
     model = build_model(cfg, tokenizer, device)
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:
@@ -256,7 +272,7 @@ def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.dev
         f"{state.train_tokens / step_seconds:.0f} source+target tokens/s; "
         f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
     )
-    results = evaluate_tests(cfg, run_dir, model, tokenizer, device)
+    results = evaluate_tests(cfg, run_dir, model, tokenizer, device) if tests else {}
     summary = {
         "parameters": count_parameters(model),
         "steps": state.step,
@@ -271,7 +287,7 @@ def run_in_world(cfg, run_dir: Path, world: distributed.World, device: torch.dev
     }
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.trainer.average_last:
-        summary |= evaluate_average(cfg, run_dir, model, tokenizer, valid, device)
+        summary |= evaluate_average(cfg, run_dir, model, tokenizer, valid, device, tests)
         (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": state.best_score}
     trainer.monitor.hparams(to_plain(cfg), metrics)

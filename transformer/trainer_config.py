@@ -43,6 +43,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
+    members: int = 1  # models trained at once (seeds seed..seed+N-1, cores/N threads each), then ensembled
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cooldown <= 1.0:
@@ -51,6 +52,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.members < 1:
+            raise ValueError(f"trainer.members={self.members} must be >= 1")
         if self.accumulate < 1 or self.eval_every < 1 or self.log_every < 1 or self.warmup_steps < 1:
             raise ValueError("trainer.accumulate, eval_every, log_every and warmup_steps must be >= 1")
         if self.average_last > self.keep_last:

@@ -1,0 +1,165 @@
+"""Several models trained at once and ensembled: `trainer.members=N`.
+
+On a CPU with few cores, N independent runs side by side, each on cores/N threads, train more
+tokens per second in total than one run on all of them, and averaging the next-token
+distributions of independently trained models is worth more BLEU than the extra steps one model
+would get (docs/RESULTS.md). Member i is the same run with seed `seed + i`, in `member<i>/` of the
+run directory, where it keeps its own log, TensorBoard events and checkpoints, and resumes by
+itself when the command is run again. When all have finished, the validation split chooses the
+ensemble to report (of the members' best checkpoints, their averages, or both) with the configured
+decoding, and only the chosen one is scored on the test splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint
+from .config import exit_on_user_error
+from .data import tokenize
+from .decoder_models import Ensemble
+from .decoding import translate_corpus
+from .devices import pick_device
+from .errors import ConfigError, TrainingStopped
+
+log = logging.getLogger(__name__)
+
+
+def member_configs(cfg) -> list:
+    """One config per member: seed + i, and an equal share of the CPU threads."""
+    n = cfg.trainer.members
+    threads = max(1, (cfg.trainer.threads or torch.get_num_threads()) // n)
+    return [
+        dataclasses.replace(
+            cfg, seed=cfg.seed + i, trainer=dataclasses.replace(cfg.trainer, members=1, threads=threads)
+        )
+        for i in range(n)
+    ]
+
+
+def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None:
+    """A member's process: its log goes to its own train.log and, prefixed, to the parent's stdout."""
+    from .experiment import run
+    from .tokenizer import Tokenizer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"[%(asctime)s] member{index}: %(message)s", "%H:%M:%S")
+    handlers = [logging.FileHandler(run_dir / "train.log"), logging.StreamHandler(sys.stdout)]
+    for handler in handlers:
+        handler.setFormatter(fmt)
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
+    with exit_on_user_error():
+        run(cfg, run_dir, tests=False, tokenizer=Tokenizer(tokenizer_bytes))
+
+
+def shared_tokenizer(cfg, run_dir: Path):
+    """The tokenizer every member starts from, trained once (run_dir/spm.model, kept for reruns):
+    an ensemble needs one vocabulary, and data errors show before any member starts."""
+    from .data import clean_training_pairs, load_split
+    from .experiment import train_tokenizer
+    from .tokenizer import Tokenizer
+
+    if (run_dir / "spm.model").exists() and not cfg.trainer.overwrite:
+        return Tokenizer.load(run_dir / "spm.model")
+    train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
+    return train_tokenizer(cfg, run_dir, train_ds)
+
+
+def train_members(cfg, run_dir: Path) -> list[Path]:
+    """Start every member, wait for all, and return their run directories."""
+    tokenizer = shared_tokenizer(cfg, run_dir)
+    configs = member_configs(cfg)
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied thread pools
+    dirs = [run_dir / f"member{i}" for i in range(cfg.trainer.members)]
+    processes = [
+        context.Process(target=train_member, args=(c, d, i, tokenizer.model_bytes), name=f"member{i}")
+        for i, (c, d) in enumerate(zip(configs, dirs))
+    ]
+    log.info("training %d members at once, %d thread(s) each", len(processes), configs[0].trainer.threads)
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    failed = [p.name for p in processes if p.exitcode != 0]
+    if failed:
+        raise TrainingStopped(f"error: {', '.join(failed)} stopped without finishing (see its train.log)", 1)
+    return dirs
+
+
+def candidates(dirs: list[Path]) -> dict[str, list[Path]]:
+    """The ensembles validation chooses from: every member's best checkpoint, every member's
+    average of its last checkpoints, and both together (averages only where every member has one)."""
+    best = [d / "checkpoint_best.pt" for d in dirs]
+    averages = [sorted(d.glob("checkpoint_avg*.pt")) for d in dirs]
+    options = {"best": best}
+    if all(averages):
+        averaged = [a[-1] for a in averages]
+        options |= {averaged[0].stem.split("_")[1]: averaged, "best+" + averaged[0].stem.split("_")[1]: best + averaged}
+    return options
+
+
+def load_ensemble(paths: list[Path], device):
+    models, tokenizers = zip(*[checkpoint.load_model(path, device)[:2] for path in paths])
+    for path, tokenizer in zip(paths[1:], tokenizers[1:]):
+        if tokenizer.model_bytes != tokenizers[0].model_bytes:
+            raise ConfigError(f"{path} has another tokenizer than {paths[0]}")
+    return Ensemble(list(models)), tokenizers[0]
+
+
+def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split, device) -> tuple[str, dict]:
+    """(the name of the ensemble with the highest validation BLEU, every option's score)."""
+    from .evaluation import score
+    from .experiment import report
+
+    scores = {}
+    for name, paths in options.items():
+        started = time.monotonic()
+        model, tokenizer = load_ensemble(paths, device)
+        corpus = tokenize(valid_split, tokenizer)
+        scores[name] = score(translate_corpus(model, corpus, tokenizer, cfg.decode, device), corpus.tgt_text).bleu
+        report(
+            f"ensemble {name} ({len(paths)} checkpoints): validation BLEU {scores[name]:.2f} "
+            f"({cfg.decode.label}, {time.monotonic() - started:.0f}s)"
+        )
+    return max(scores, key=scores.get), scores  # the first listed wins a tie: the fewest checkpoints
+
+
+def run_members(cfg, run_dir: Path) -> dict:
+    """Train the members, choose their ensemble on validation, score it on the test splits and
+    write results.json (the members' own summaries included)."""
+    from .data import load_split
+    from .experiment import evaluate_tests, report
+
+    if cfg.trainer.resume:
+        raise ConfigError("trainer.resume names one run; with trainer.members > 1 run the same command again instead")
+    started = time.monotonic()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dirs = train_members(cfg, run_dir)
+    device = pick_device(cfg.trainer.device)
+    options = candidates(dirs)
+    chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split), device)
+    report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
+    model, tokenizer = load_ensemble(options[chosen], device)
+    results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
+    summary = {
+        "members": [json.loads((d / "results.json").read_text()) for d in dirs],
+        "ensembles": {
+            name: {"checkpoints": [str(p.relative_to(run_dir)) for p in paths], "valid_bleu": valid_scores[name]}
+            for name, paths in options.items()
+        },  # fmt: skip
+        "chosen": chosen,
+        "valid_best": valid_scores[chosen],
+        "test": results,
+        "wall_minutes": (time.monotonic() - started) / 60,
+    }
+    (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report(f"finished in {summary['wall_minutes']:.1f} min")
+    return results
