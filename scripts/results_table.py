@@ -4,8 +4,9 @@
     python scripts/results_table.py run=outputs/de-en/RUN budgets=true   # also the budgets of evaluate_budgets.py
 
 Reads RUN/results.json (written by train.py) and, with budgets=true, RUN/budgets.json. Prints
-one row per model (best checkpoint, average), test split and decoding, with sacreBLEU cased and
-lowercased and chrF, then the signatures.
+one row per model (best checkpoint, average, or the ensemble of a trainer.members run), test split
+and decoding, with sacreBLEU cased and lowercased and chrF, then the signatures and how each
+model was trained.
 """
 
 from __future__ import annotations
@@ -33,6 +34,23 @@ def rows(label: str, tests: dict) -> list[str]:
     return out
 
 
+def model_label(results: dict) -> str:
+    if "members" in results:
+        return f"ensemble of {len(results['members'])} members ({results['chosen']}, chosen on val)"
+    return f"best checkpoint (step {results['best_step']})"
+
+
+def training_lines(results: dict) -> list[str]:
+    """How each model trained: one line, or one per member."""
+    runs = results.get("members", [results])
+    return [
+        ("" if len(runs) == 1 else f"member {i}: ")
+        + f"{r['steps']} steps ({r['epochs']:.1f} epochs) in {r['train_minutes']:.1f} min, "
+        f"{r['tokens_per_s']:.0f} tokens/s, {r['autocast']}, {r['parameters']:,} parameters"
+        for i, r in enumerate(runs)
+    ]
+
+
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, TableConfig, __doc__)
@@ -43,7 +61,7 @@ def main(argv: list[str]) -> None:
         results = json.loads((run / "results.json").read_text()) if has_results else {"test": {}}
         lines = ["| model | split | decoding | BLEU | BLEU (lc) | chrF |", "|---|---|---|---:|---:|---:|"]
         if has_results:
-            lines += rows(f"best checkpoint (step {results['best_step']})", results["test"])
+            lines += rows(model_label(results), results["test"])
         for key in results:
             if key.startswith("test_avg"):
                 lines += rows(f"average of {len(results['average']['checkpoints'])} checkpoints", results[key])
@@ -57,10 +75,7 @@ def main(argv: list[str]) -> None:
         print("\n".join(lines))
         print(f"\nBLEU: `{first['bleu_signature']}`  \nBLEU (lc): `{first['bleu_lc_signature']}`  \nchrF: `{first['chrf_signature']}`")  # fmt: skip
         if has_results:
-            print(
-                f"\n{results['steps']} steps ({results['epochs']:.1f} epochs) in {results['train_minutes']:.1f} min, "
-                f"{results['tokens_per_s']:.0f} tokens/s, {results['autocast']}, {results['parameters']:,} parameters"
-            )
+            print("\n" + "  \n".join(training_lines(results)))
 
 
 if __name__ == "__main__":
