@@ -88,16 +88,20 @@ def test_members_get_their_own_seed_and_a_share_of_the_threads():
     assert {c.trainer.threads for c in one_core} == {1}
 
 
-def test_averages_join_the_candidates_only_when_every_member_has_one(tmp_path):
+def test_averages_join_the_candidates_only_when_every_member_wrote_one(tmp_path):
     dirs = [tmp_path / "member0", tmp_path / "member1"]
     for d in dirs:
         d.mkdir()
-        (d / "checkpoint_best.pt").touch()
+        (d / "results.json").write_text("{}")
+        (d / "checkpoint_avg2.pt").touch()  # left by an earlier run: not this run's average
     assert list(candidates(dirs)) == ["best"]
-    (dirs[0] / "checkpoint_avg5.pt").touch()
+    average = {"average": {"checkpoints": [f"checkpoint_{step}.pt" for step in (250, 500, 750, 1000, 1250)]}}
+    (dirs[0] / "results.json").write_text(json.dumps(average))
     assert list(candidates(dirs)) == ["best"]
-    (dirs[1] / "checkpoint_avg5.pt").touch()
-    assert candidates(dirs)["best+avg5"] == [d / name for name in ("checkpoint_best.pt", "checkpoint_avg5.pt") for d in dirs]  # fmt: skip
+    (dirs[1] / "results.json").write_text(json.dumps(average))
+    options = candidates(dirs)
+    assert list(options) == ["best", "avg5", "best+avg5"]
+    assert options["best+avg5"] == [d / name for name in ("checkpoint_best.pt", "checkpoint_avg5.pt") for d in dirs]
 
 
 def test_settings_members_cannot_run_with_are_refused(tmp_path, monkeypatch):

@@ -94,16 +94,22 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
     return dirs
 
 
+def member_average(member_dir: Path) -> Path | None:
+    """The averaged checkpoint the member's last run wrote (its results.json names the checkpoints
+    averaged), or None: a file left by an earlier run with another trainer.average_last is not it."""
+    average = json.loads((member_dir / "results.json").read_text()).get("average")
+    return member_dir / f"checkpoint_avg{len(average['checkpoints'])}.pt" if average else None
+
+
 def candidates(dirs: list[Path]) -> dict[str, list[Path]]:
     """The ensembles validation chooses from: every member's best checkpoint, every member's
     average of its last checkpoints, and both together (averages only where every member has one)."""
     best = [d / "checkpoint_best.pt" for d in dirs]
-    averages = [sorted(d.glob("checkpoint_avg*.pt")) for d in dirs]
-    options = {"best": best}
-    if all(averages):
-        averaged = [a[-1] for a in averages]
-        options |= {averaged[0].stem.split("_")[1]: averaged, "best+" + averaged[0].stem.split("_")[1]: best + averaged}
-    return options
+    averages = [member_average(d) for d in dirs]
+    if not all(averages):
+        return {"best": best}
+    name = averages[0].stem.split("_")[1]  # avg<N>
+    return {"best": best, name: averages, f"best+{name}": best + averages}
 
 
 def load_ensemble(paths: list[Path], device):
