@@ -95,10 +95,9 @@ def launched() -> bool:
 
 def start(device: torch.device) -> World:
     """Join the process group torchrun set up (if any)."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size <= 1:
+    if not launched():
         return World()
-    world = World(int(os.environ["RANK"]), size, int(os.environ.get("LOCAL_RANK", "0")))
+    world = World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":

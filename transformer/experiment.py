@@ -236,7 +236,12 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: To
 
 
 def run_in_world(
-    cfg, run_dir: Path, world: distributed.World, device: torch.device, tests: bool = True, tokenizer=None
+    cfg,
+    run_dir: Path,
+    world: distributed.World,
+    device: torch.device,
+    tests: bool = True,
+    tokenizer: Tokenizer | None = None,
 ) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)

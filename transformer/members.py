@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint
+from .cli import load_decoder
 from .config import exit_on_user_error
 from .data import tokenize
-from .decoder_models import Ensemble
 from .decoding import translate_corpus
-from .devices import pick_device
 from .errors import ConfigError, TrainingStopped
 
 log = logging.getLogger(__name__)
@@ -112,24 +110,23 @@ def candidates(dirs: list[Path]) -> dict[str, list[Path]]:
     return {"best": best, name: averages, f"best+{name}": best + averages}
 
 
-def load_ensemble(paths: list[Path], device):
-    models, tokenizers = zip(*[checkpoint.load_model(path, device)[:2] for path in paths])
-    for path, tokenizer in zip(paths[1:], tokenizers[1:]):
-        if tokenizer.model_bytes != tokenizers[0].model_bytes:
-            raise ConfigError(f"{path} has another tokenizer than {paths[0]}")
-    return Ensemble(list(models)), tokenizers[0]
+def load_ensemble(paths: list[Path], device_name: str):
+    """(device, the Ensemble of the checkpoints, their one tokenizer), as translate.py loads one."""
+    device, model, tokenizer, _ = load_decoder(str(paths[0]), [str(p) for p in paths[1:]], device_name)
+    return device, model, tokenizer
 
 
-def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split, device) -> tuple[str, dict]:
+def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tuple[str, dict]:
     """(the name of the ensemble with the highest validation BLEU, every option's score)."""
     from .evaluation import score
     from .experiment import report
 
-    scores = {}
+    scores, corpus = {}, None
     for name, paths in options.items():
         started = time.monotonic()
-        model, tokenizer = load_ensemble(paths, device)
-        corpus = tokenize(valid_split, tokenizer)
+        device, model, tokenizer = load_ensemble(paths, cfg.trainer.device)
+        if corpus is None:  # every option holds the same members, so one tokenizer
+            corpus = tokenize(valid_split, tokenizer)
         scores[name] = score(translate_corpus(model, corpus, tokenizer, cfg.decode, device), corpus.tgt_text).bleu
         report(
             f"ensemble {name} ({len(paths)} checkpoints): validation BLEU {scores[name]:.2f} "
@@ -149,18 +146,17 @@ def run_members(cfg, run_dir: Path) -> dict:
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     dirs = train_members(cfg, run_dir)
-    device = pick_device(cfg.trainer.device)
     options = candidates(dirs)
-    chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split), device)
+    chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))
     report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
-    model, tokenizer = load_ensemble(options[chosen], device)
+    device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device)
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
     summary = {
         "members": [json.loads((d / "results.json").read_text()) for d in dirs],
         "ensembles": {
             name: {"checkpoints": [str(p.relative_to(run_dir)) for p in paths], "valid_bleu": valid_scores[name]}
             for name, paths in options.items()
-        },  # fmt: skip
+        },
         "chosen": chosen,
         "valid_best": valid_scores[chosen],
         "test": results,
