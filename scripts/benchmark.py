@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has bf16 matrix instructions)
     python scripts/benchmark.py presets=[small] steps=5 output=bench.json
+    python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
 
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
 (grouped by token count), each implementation runs forward + backward + Adam step:
@@ -12,8 +13,9 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
                 implementations=[ours,ours-compile,ours-recompute])
   ours-blas     ours with the oneDNN path of transformer/linear.py off: fp32 products on torch's
                 BLAS, as in torch and hf-marian (on request)
-Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS)
-is its own. With rounds=R every measurement is repeated R times, the implementations taking
+Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
+on CPU; on a GPU, the most device memory torch allocated) is its own. The batches are built once
+(the tokenizer is trained once) and handed to every process in a file. With rounds=R every measurement is repeated R times, the implementations taking
 turns in alternating order, and the median is reported with the spread: a machine whose speed
 drifts during the run (shared or throttled CPUs) then biases no implementation. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
 model FLOP/s as a fraction of the dense matmul peak measured in the same run, peak memory.
@@ -26,6 +28,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,10 +38,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from transformer.benchmarking import hardware, marian_model
+from transformer.benchmarking import hardware, marian_model, timed
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
-from transformer.devices import cpu_has_bf16_matmul
+from transformer.devices import cpu_has_bf16_matmul, pick_device
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
@@ -55,10 +58,12 @@ class BenchConfig:
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16"])  # bf16 only with bf16 matrix instructions
     steps: int = 8  # timed steps, after 2 warm-up steps
     rounds: int = 1  # repetitions of every measurement, interleaved; the median is reported (odd: the middle one)
-    max_tokens: int = 4096
+    max_tokens: int = 4096  # per batch; on a GPU larger batches (e.g. 32768) are needed to keep it busy
     data_dir: str = "data/multi30k"
+    device: str = "auto"  # cuda when present, else cpu
     output: Optional[str] = None
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
+    batches: Optional[str] = None  # internal: the file of batches the measurement processes share
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.steps < 1:
@@ -79,6 +84,8 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
     tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), VOCAB, "unigram")
     corpus = tokenize(ds, tokenizer)
     order = token_batches(corpus.lengths(), cfg.max_tokens, np.random.default_rng(0))[:n]
+    if len(order) < n:
+        raise ValueError(f"max_tokens={cfg.max_tokens} gives {len(order)} batches, fewer than steps + 2 = {n}")
     out = []
     for indices in order:
         b = collate(corpus, indices, tokenizer)
@@ -120,7 +127,7 @@ class TorchTransformer(torch.nn.Module):
 
     def forward(self, src, tgt):
         src_pad, tgt_pad = src == 0, tgt == 0
-        causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), dtype=torch.bool)
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device, dtype=torch.bool)
         x = self.core(
             self.positions(self.embed(src) * self.scale),
             self.positions(self.embed(tgt) * self.scale),
@@ -171,21 +178,28 @@ BUILDERS = {
 # --- Measuring ----------------------------------------------------------------------------------
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
-    """Dense matmul GFLOP/s of this device at this dtype: the faster of torch's `a @ b` (BLAS for
-    fp32, oneDNN for bf16) and oneDNN's product, which transformer/linear.py uses for fp32."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """Dense matmul GFLOP/s of this device at this dtype, on random data. On CPU (n = 2048): the
+    faster of torch's `a @ b` (BLAS for fp32, oneDNN for bf16) and oneDNN's product, which
+    transformer/linear.py uses for fp32. On a GPU (n = 8192): cuBLAS, fp32 without TF32 (torch's
+    default, and what fp32 training here uses)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     products = [lambda: a @ b]
-    if torch.backends.mkldnn.is_available():
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
     best = 0.0
     for product in products:
-        product()
-        start = time.perf_counter()
-        for _ in range(repeats):
+        for _ in range(3 if device.type == "cuda" else 1):  # warm-up: library load, clocks ramping up
             product()
-        best = max(best, 2 * n**3 * repeats / (time.perf_counter() - start) / 1e9)
+        seconds, _ = timed(partial(repeat, product, repeats), device)
+        best = max(best, 2 * n**3 * repeats / seconds / 1e9)
     return best
+
+
+def repeat(fn, times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def step_flops(batch, layers: int, d_model: int, d_ff: int) -> float:
@@ -202,31 +216,47 @@ def step_flops(batch, layers: int, d_model: int, d_ff: int) -> float:
 
 def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dict:
     layers, d_model, heads, d_ff = PRESETS[preset]
+    device = pick_device(cfg.device)
     torch.manual_seed(0)
-    batches = real_batches(cfg, cfg.steps + 2)
+    batches = torch.load(cfg.batches) if cfg.batches else real_batches(cfg, cfg.steps + 2)
     model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff)
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    model.to(device).train()
+    # fused: one kernel for the whole update on a GPU (the trainer's choice there); on CPU the default
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True if device.type == "cuda" else None
+    )
     dtype = torch.bfloat16 if precision == "bf16" else None
-    tokens, flops, elapsed = 0, 0.0, 0.0
-    for i, batch in enumerate(batches):
+    tokens, flops, elapsed, warm_tokens, warm_elapsed = 0, 0.0, 0.0, 0, 0.0
+    # On a GPU the first step of each batch shape loads and selects kernels, which here took longer
+    # than the step itself: all batches are run once untimed, then again timed. On CPU the first
+    # two steps warm up (allocators, oneDNN primitives); the rest are timed.
+    warmup = len(batches) if device.type == "cuda" else 2
+    for i, batch in enumerate(batches * 2 if device.type == "cuda" else batches):
+        src, tgt_in, tgt_out = (t.to(device, non_blocking=True) for t in batch[:3])
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
-            loss = loss_fn(*batch[:3])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype is not None):
+            loss = loss_fn(src, tgt_in, tgt_out)
         (loss / batch[3]).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss.item()  # the host sync a real training loop has once per step
-        if i >= 2:  # the first two steps warm up allocators and kernels
+        loss.item()  # the host sync a real training loop has once per step; the step's GPU work is done
+        if i >= warmup:
             elapsed += time.perf_counter() - start
             tokens += batch[3]
             flops += step_flops(batch, layers, d_model, d_ff)
-    return {
-        "implementation": impl, "preset": preset, "precision": precision,
+        elif i >= 2:  # the warm-up after its first two steps, for comparison
+            warm_elapsed += time.perf_counter() - start
+            warm_tokens += batch[3]
+    row = {
+        "implementation": impl, "preset": preset, "precision": precision, "device": device.type,
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_s": tokens / elapsed, "model_gflops": flops / elapsed / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }  # fmt: skip
+    if device.type == "cuda":
+        row["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        row["warmup_tokens_per_s"] = warm_tokens / max(warm_elapsed, 1e-9)
+    return row
 
 
 def child_environment(impl: str) -> dict:
@@ -249,6 +279,8 @@ def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> di
         f"steps={cfg.steps}",
         f"max_tokens={cfg.max_tokens}",
         f"data_dir={cfg.data_dir}",
+        f"device={cfg.device}",
+        f"batches={cfg.batches}",
     ]
     result = subprocess.run(args, capture_output=True, text=True, env=child_environment(impl))
     if result.returncode != 0:
@@ -262,7 +294,9 @@ def median_row(runs: list[dict]) -> dict:
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     row = dict(ordered[(len(ordered) - 1) // 2])
     row["tokens_per_s_runs"] = [round(r["tokens_per_s"]) for r in runs]
-    row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    for key in ("peak_rss_mb", "peak_gpu_mb"):
+        if key in row:
+            row[key] = max(r[key] for r in runs)
     return row
 
 
@@ -296,8 +330,9 @@ def print_table(rows: list[dict], peaks: dict) -> None:
         vs_torch = row["tokens_per_s"] / same["torch"]["tokens_per_s"] if "torch" in same else None
         vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else None
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
+        memory = row.get("peak_gpu_mb", row["peak_rss_mb"])  # a GPU's memory where there is one
         print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
-              f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{row['peak_rss_mb']:>9.0f}")  # fmt: skip
+              f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{memory:>9.0f}")  # fmt: skip
 
 
 def ratio(value: float | None) -> str:
@@ -312,27 +347,31 @@ def main(argv: list[str]) -> None:
     if cfg.one:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
         return
+    device = pick_device(cfg.device)
     info = hardware()
-    has_bf16 = cpu_has_bf16_matmul()
+    has_bf16 = device.type == "cuda" or cpu_has_bf16_matmul()
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
-    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    peaks = {p: matmul_peak(dtypes[p], device) for p in precisions}
     print(json.dumps(info))
-    print(
-        f"dense matmul peak: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s; bf16 autocast measured: {has_bf16}"
-    )
+    peak_text = ", ".join(f"{p} {peaks[p]:.0f} GFLOP/s" for p in precisions)
+    print(f"device {device.type}; dense matmul peak: {peak_text}; bf16 autocast measured: {has_bf16}")
     impls = [i for i in cfg.implementations if available(i)]
     runs: dict[tuple, list[dict]] = {}
-    for round_ in range(cfg.rounds):
-        if round_:
-            peaks = {
-                p: max(peaks[p], matmul_peak(dtype)) for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
-            }
-        for preset in cfg.presets:
-            for precision in precisions:
-                for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
-                    row = run_isolated(impl, preset, precision, cfg)
-                    if row:
-                        runs.setdefault((preset, precision, impl), []).append(row)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not cfg.batches:  # built once, read by every measurement
+            cfg.batches = str(Path(tmp) / "batches.pt")
+            torch.save(real_batches(cfg, cfg.steps + 2), cfg.batches)
+        for round_ in range(cfg.rounds):
+            if round_:
+                peaks = {p: max(peaks[p], matmul_peak(dtypes[p], device)) for p in precisions}
+            for preset in cfg.presets:
+                for precision in precisions:
+                    for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
+                        row = run_isolated(impl, preset, precision, cfg)
+                        if row:
+                            runs.setdefault((preset, precision, impl), []).append(row)
+                            print(f"  {preset} {precision} {impl}: {row['tokens_per_s']:.0f} tok/s", flush=True)
     rows = [median_row(r) for r in runs.values()]
     print_table(rows, peaks)
     if cfg.rounds > 1:

@@ -3,6 +3,7 @@ against Hugging Face transformers' `generate` at the same model size.
 
     python scripts/benchmark_decoding.py                      # both parts, random weights
     python scripts/benchmark_decoding.py checkpoint=PATH sentences=300 peers=false output=bench.json
+    python scripts/benchmark_decoding.py device=cuda                 # on a GPU (device=auto picks it)
 
 1. Cache: for each strategy (greedy, beam 5) it decodes the same Multi30k test_2016_flickr sources
    with the cached decoder and with full recomputation of the prefix at every step (`Uncached`),
@@ -12,8 +13,8 @@ against Hugging Face transformers' `generate` at the same model size.
    with random weights of the same dimensions, decode the same `peer_sentences` sources in one
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
-   Where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run under bf16
-   autocast (our decode.precision=bf16).
+   On a GPU, and where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run
+   under bf16 autocast (our decode.precision=bf16). On a GPU each is run once untimed first.
    In fp32 `ours-blas` is ours with transformer/linear.py's oneDNN path off (torch's BLAS, as HF uses).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
@@ -38,7 +39,7 @@ from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
-from transformer.devices import cpu_has_bf16_matmul
+from transformer.devices import cpu_has_bf16_matmul, pick_device
 from transformer.linear import onednn, onednn_enabled
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
@@ -51,7 +52,7 @@ class BenchConfig:
     beam_size: int = 5
     vocab_size: int = 8000  # for the tokenizer trained when no checkpoint is given
     data_dir: str = "data/multi30k"
-    device: str = "cpu"
+    device: str = "auto"  # cuda when present, else cpu
     threads: int = 0
     peers: bool = True  # part 2: against HF generate (needs transformers)
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
@@ -93,19 +94,23 @@ def hf_generate(model, src: torch.Tensor, beams: int, new_tokens: int) -> torch.
     )  # fmt: skip
 
 
-def race(runs: dict, rounds: int) -> dict[str, tuple[list[float], object]]:
-    """Time each callable `rounds` times, taking turns in alternating order: name -> (seconds, last result)."""
+def race(runs: dict, rounds: int, device: torch.device) -> dict[str, tuple[list[float], object]]:
+    """Time each callable `rounds` times, taking turns in alternating order: name -> (seconds, last result).
+    On a GPU each runs once untimed first (library handles, kernel selection, clocks ramping up)."""
     out = {name: ([], None) for name in runs}
     names = list(runs)
+    if device.type == "cuda":
+        for name in names:
+            runs[name]()
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
-            seconds, result = timed(runs[name], torch.device("cpu"))
+            seconds, result = timed(runs[name], device)
             out[name] = (out[name][0] + [seconds], result)
     return out
 
 
 def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         return hf_generate(model, src, beams, new_tokens)
 
 
@@ -115,36 +120,41 @@ def without_onednn(fn):
         return fn()
 
 
-def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]]) -> list[dict]:
+def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: torch.device) -> list[dict]:
     """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences.
-    At bf16 (CPUs with bf16 matrix instructions) both run under the same autocast; `vs hf` compares with HF at the
-    same precision, `vs hf fp32` with HF in fp32."""
+    At bf16 (GPUs, CPUs with bf16 matrix instructions) both run under the same autocast; `vs hf` compares with HF at
+    the same precision, `vs hf fp32` with HF in fp32."""
     import transformers
 
     sources = sources[: cfg.peer_sentences]
-    eos, cpu = tokenizer.eos_id, torch.device("cpu")
-    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
-    precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or cpu_has_bf16_matmul())]
+    eos = tokenizer.eos_id
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True).to(device)
+    has_bf16 = device.type == "cuda" or cpu_has_bf16_matmul()
+    precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or has_bf16)]
     hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
-        ours = Transformer(
-            ModelConfig(len(tokenizer), 0, layers, layers, d_model, heads, None, d_ff, dropout=0.0)
-        ).eval()
+        ours = (
+            Transformer(ModelConfig(len(tokenizer), 0, layers, layers, d_model, heads, None, d_ff, dropout=0.0))
+            .to(device)
+            .eval()
+        )
         torch.manual_seed(0)
-        theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).eval()
+        theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).to(device).eval()
         for strategy, beams in (("greedy", 1), ("beam", 5)):
             label, hf_fp32 = "greedy" if beams == 1 else f"beam{beams}", None
             for precision in precisions:
                 forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9, precision=precision)  # fmt: skip
                 runs = {
-                    "ours": partial(translate_ids, ours, sources, tokenizer, forced, cpu),
+                    "ours": partial(translate_ids, ours, sources, tokenizer, forced, device),
                     hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
                 }
-                if precision == "fp32" and onednn_enabled():  # the effect of transformer/linear.py's oneDNN path
+                if (
+                    precision == "fp32" and device.type == "cpu" and onednn_enabled()
+                ):  # transformer/linear.py's oneDNN path
                     runs["ours-blas"] = partial(without_onednn, runs["ours"])
-                timings = race(runs, cfg.rounds)
+                timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
                 if precision == "fp32":
                     hf_fp32 = seconds[hf_name]
@@ -179,7 +189,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, BenchConfig, __doc__)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
+    device = pick_device(cfg.device)
     model, tokenizer, model_name = model_and_tokenizer(cfg, device)
     test = load_split(DataConfig(dir=cfg.data_dir), "test_2016_flickr")
     sources = tokenizer.encode(list(test["src"])[: cfg.sentences])
@@ -224,7 +234,7 @@ def main(argv: list[str]) -> None:
             print("peers skipped: transformers is not installed (pip install -e '.[bench]')", file=sys.stderr)
         else:
             print(f"against HF generate: {cfg.peer_sentences} sentences in one batch, {cfg.new_tokens} tokens each")
-            results["peers"] = peer_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test))
+            results["peers"] = peer_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test), device)
             print_peer_rows(results["peers"])
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(results, indent=2))

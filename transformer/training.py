@@ -71,6 +71,7 @@ class Trainer:
             betas=tuple(self.tcfg.betas),
             eps=self.tcfg.eps,
             weight_decay=self.tcfg.weight_decay,
+            fused=True if self.device.type == "cuda" else None,  # one kernel for the whole update on a GPU
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()

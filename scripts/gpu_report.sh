@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything this project measures on a GPU, in one call of about nine minutes (for a lent GPU,
+# whose time is short; see docs/SPEED.md and docs/RESULTS.md for what the numbers went into):
+#   1. training throughput against torch.nn.Transformer and HF MarianMT in bf16 at 32k-token
+#      batches, with model FLOP/s as a fraction of the measured matmul peak (scripts/benchmark.py),
+#      then ours under torch.compile at base;
+#   2. decoding against HF generate, fp32 and bf16 (scripts/benchmark_decoding.py);
+#   3. the paper's base model trained on Multi30k de-en (experiment=multi30k_de_en_base_gpu), its
+#      budget cut to the time left so the whole call ends within $BUDGET seconds.
+# Results go to $OUT (default outputs/gpu). Wheels of packages the machine lacks may be in .whl/.
+set -uo pipefail
+out=${OUT:-outputs/gpu}
+budget=${BUDGET:-560}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MPLBACKEND=Agg
+loads() { $python -c "from transformer.data import DataConfig, load_split; load_split(DataConfig(), 'val')"; }
+if compgen -G ".whl/*.whl" >/dev/null; then
+    # Under a folder named site-packages: datasets hashes its tables with dill, which pickles by
+    # value (and there fails on pyarrow's types) a module that lives anywhere else.
+    site=/tmp/wheels/site-packages
+    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
+    export PYTHONPATH=$site:$PWD
+    loads || { echo "the carried pyarrow failed; using the machine's own"; rm -rf $site/pyarrow*; }
+fi
+loads || { echo "gpu_report: cannot load the data"; exit 1; }
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+    $python -c "import torch, transformers, sacrebleu, hydra, datasets; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'sacrebleu', sacrebleu.__version__, 'datasets', datasets.__version__)"
+    nproc
+} 2>&1 | tee "$out/env.txt"
+
+timeout 200 $python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768 steps=10 \
+    implementations=[ours,torch,hf-marian] output="$out/bench_train.json" 2>&1 | tee "$out/bench_train.log"
+timeout 100 $python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768 steps=10 presets=[base] \
+    implementations=[ours-compile] output="$out/bench_compile.json" 2>&1 | tee -a "$out/bench_train.log"
+timeout 100 $python scripts/benchmark_decoding.py device=cuda output="$out/bench_decode.json" 2>&1 | tee "$out/bench_decode.log"
+
+# The base model gets what is left of the budget, less about 100 s for its tokenizer and test decoding.
+minutes=$($python -c "print(round(min(3.0, max(0.5, ($budget - $SECONDS - 100) / 60)), 2))")
+echo "base model: trainer.max_minutes=$minutes ($SECONDS s used)" | tee "$out/train_base.log"
+run=/tmp/base_gpu
+timeout $((budget - SECONDS + 20)) $python train.py experiment=multi30k_de_en_base_gpu trainer.max_minutes="$minutes" \
+    hydra.run.dir=$run 2>&1 | tee -a "$out/train_base.log"
+tar czf "$out/base_gpu.tgz" -C $run --exclude='*.pt' . 2>/dev/null
+echo "gpu_report: done in $SECONDS s"
