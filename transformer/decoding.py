@@ -126,9 +126,9 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
         done |= next_token == eos_id
         n_done = int(done.sum())
         if n_done == done.numel() or worth_pruning(n_done, done.numel()):
-            for row in done.nonzero().flatten().tolist():
-                lp = float(log_prob[row])
-                out[int(sentence[row])] = Hypothesis(strip_special(tokens[row, 1:].tolist(), eos_id), lp, lp)
+            ended = done.nonzero().flatten()  # copied to the host together, not row by row
+            for i, lp, ids in zip(sentence[ended].tolist(), log_prob[ended].tolist(), tokens[ended, 1:].tolist()):
+                out[i] = Hypothesis(strip_special(ids, eos_id), lp, lp)
             if n_done == done.numel():
                 break
             rows = (~done).nonzero().flatten()
@@ -177,10 +177,15 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     best k as finished, and continues with the best k that do not. A sentence is done once it
     has k finished hypotheses and no live beam can still beat the worst of them.
     Returns, per sentence, the n_best finished hypotheses sorted by score.
+
+    The bookkeeping of finished hypotheses runs on the host, on host copies made once per step
+    (`host_max_len` once per batch): on a GPU each read of a single element would wait for the
+    device, and with one such wait per sentence per step the GPU idled between them.
     """
     k, batch, pad_id = cfg.beam_size, src.size(0), model.cfg.pad_id
     src_mask = padding_mask(src, pad_id)
     max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)  # (batch,)
+    host_max_len = max_len.cpu()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
     # All k beams of a sentence would start identical, so the first step expands one row per
@@ -192,10 +197,11 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     sentence = list(range(batch))  # the input sentence of each sentence still in the batch
     done = torch.zeros(batch, dtype=torch.bool)
-    for step in range(int(max_len.max())):
+    for step in range(int(host_max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        rows_max_len = max_len.repeat_interleave(width).to(src.device)
-        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len)
+        rows_max_len = max_len.repeat_interleave(width)
+        forcing = bool((step + 1 >= host_max_len).any())
+        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len, forcing)
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
@@ -207,14 +213,15 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
         scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
         order = stay_in_place(beam)  # the same beams, in slots that spare cache copies
         scores, beam, token = scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
-        done |= search_done(present, scores.cpu(), max_len, step, k, cfg.length_penalty)
+        done |= search_done(present, scores.cpu(), host_max_len, step, k, cfg.length_penalty)
         if done.all():
             break
         rows = torch.arange(len(sentence), device=src.device)[:, None] * width + beam  # (sentences, k)
         width = k
         if worth_pruning(int(done.sum()), len(sentence)):  # finished sentences leave the batch
             live = (~done).nonzero().flatten()
-            sentence, done, live = [sentence[i] for i in live.tolist()], done[live], live.to(src.device)
+            sentence, done, host_max_len = [sentence[i] for i in live.tolist()], done[live], host_max_len[live]
+            live = live.to(src.device)
             rows, scores, token, max_len = rows[live].view(-1), scores[live], token[live], max_len[live]
             memory, src_mask = select(memory, live), src_mask[live]  # one row per sentence, see cross_attend
             state.reorder(rows, sources=live)
@@ -277,15 +284,18 @@ def stay_in_place(parents: Tensor) -> Tensor:
     return torch.empty_like(slot).scatter_(1, slot, slots.expand(n, k))
 
 
-def step_log_probs(logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int, min_len: int = 0) -> Tensor:
+def step_log_probs(
+    logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int, min_len: int = 0, forcing: bool | None = None
+) -> Tensor:
     """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len
-    and refused before min_len tokens."""
+    and refused before min_len tokens. `forcing`, when given, says whether any row is at its
+    max_len (the caller may know it without asking the device)."""
     lprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     lprobs[:, pad_id] = -math.inf
     out_of_room = step + 1 >= max_len
     if step < min_len:
         lprobs[:, eos_id] = torch.where(out_of_room, lprobs[:, eos_id], -math.inf)
-    if out_of_room.any():
+    if out_of_room.any() if forcing is None else forcing:
         forced = torch.full_like(lprobs[0], -math.inf)
         forced[eos_id] = 0.0
         lprobs[out_of_room] = torch.where(forced.isfinite(), lprobs[out_of_room], forced)
@@ -298,12 +308,14 @@ def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: Decod
     k = cfg.beam_size
     length = tokens.size(1)  # generated tokens so far + BOS = this hypothesis' length with its EOS
     penalty = length_penalty(length, cfg.length_penalty)
-    for sent, rank in ends[:, :k].nonzero().tolist():
-        if done[sent]:
-            continue
-        log_prob = float(top[sent, rank])
-        row = sent * width + int(beam[sent, rank])
-        finished[sent].append(Hypothesis(tokens[row, 1:].tolist(), log_prob / penalty, log_prob))
+    ends, top, beam = ends[:, :k].cpu(), top[:, :k].cpu().tolist(), beam[:, :k].cpu().tolist()
+    found = [(sent, rank) for sent, rank in ends.nonzero().tolist() if not done[sent]]
+    if not found:
+        return
+    rows = torch.tensor([sent * width + beam[sent][rank] for sent, rank in found], device=tokens.device)
+    for (sent, rank), ids in zip(found, tokens[rows, 1:].tolist()):  # one copy of all their tokens
+        log_prob = top[sent][rank]
+        finished[sent].append(Hypothesis(ids, log_prob / penalty, log_prob))
 
 
 def search_done(finished, scores: Tensor, max_len: Tensor, step: int, k: int, alpha: float) -> Tensor:
