@@ -15,10 +15,12 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
                 BLAS, as in torch and hf-marian (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
 on CPU; on a GPU, the most device memory torch allocated) is its own. The batches are built once
-(the tokenizer is trained once) and handed to every process in a file. With rounds=R every measurement is repeated R times, the implementations taking
-turns in alternating order, and the median is reported with the spread: a machine whose speed
-drifts during the run (shared or throttled CPUs) then biases no implementation. Reported: non-padding source+target tokens/s, the ratio to each peer, estimated
-model FLOP/s as a fraction of the dense matmul peak measured in the same run, peak memory.
+(the tokenizer is trained once) and handed to every process in a file. With rounds=R every
+measurement is repeated R times, the implementations taking turns in alternating order, and the
+median is reported with the spread: a machine whose speed drifts during the run (shared or
+throttled CPUs) then biases no implementation. Reported: non-padding source+target tokens/s, the
+ratio to each peer, estimated model FLOP/s as a fraction of the dense matmul peak measured in the
+same run, peak memory.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from transformer.benchmarking import hardware, marian_model, timed
 from transformer.cli import parse_args
-from transformer.config import exit_on_user_error
+from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
@@ -85,7 +87,7 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
     corpus = tokenize(ds, tokenizer)
     order = token_batches(corpus.lengths(), cfg.max_tokens, np.random.default_rng(0))[:n]
     if len(order) < n:
-        raise ValueError(f"max_tokens={cfg.max_tokens} gives {len(order)} batches, fewer than steps + 2 = {n}")
+        raise ConfigError(f"max_tokens={cfg.max_tokens} gives {len(order)} batches, fewer than steps + 2 = {n}")
     out = []
     for indices in order:
         b = collate(corpus, indices, tokenizer)
@@ -361,7 +363,8 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not cfg.batches:  # built once, read by every measurement
             cfg.batches = str(Path(tmp) / "batches.pt")
-            torch.save(real_batches(cfg, cfg.steps + 2), cfg.batches)
+            with exit_on_user_error():
+                torch.save(real_batches(cfg, cfg.steps + 2), cfg.batches)
         for round_ in range(cfg.rounds):
             if round_:
                 peaks = {p: max(peaks[p], matmul_peak(dtypes[p], device)) for p in precisions}
