@@ -150,9 +150,8 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
                     "ours": partial(translate_ids, ours, sources, tokenizer, forced, device),
                     hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
                 }
-                if (
-                    precision == "fp32" and device.type == "cpu" and onednn_enabled()
-                ):  # transformer/linear.py's oneDNN path
+                # the effect of transformer/linear.py's oneDNN path (CPU fp32 only)
+                if precision == "fp32" and device.type == "cpu" and onednn_enabled():
                     runs["ours-blas"] = partial(without_onednn, runs["ours"])
                 timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
