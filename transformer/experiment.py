@@ -235,6 +235,29 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: To
     return resumed, tokenizer, train, valid
 
 
+def training_summary(trainer: Trainer, best: dict, run_dir: Path) -> dict:
+    """Report how training went, and return it for results.json (the test scores join it later)."""
+    state = trainer.state
+    step_seconds = max(state.train_seconds - state.valid_seconds, 1e-9)
+    report(
+        f"trained {state.step} steps ({state.epoch - 1} full epochs) in {state.train_seconds / 60:.1f} min "
+        f"({state.valid_seconds / 60:.1f} of them validating), "
+        f"{state.train_tokens / step_seconds:.0f} source+target tokens/s; "
+        f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
+    )
+    return {
+        "parameters": count_parameters(trainer.model),
+        "steps": state.step,
+        "epochs": state.epoch - 1 + state.batch_in_epoch / max(len(trainer.epoch_batches(state.epoch)), 1),
+        "train_minutes": state.train_seconds / 60,
+        "valid_minutes": state.valid_seconds / 60,
+        "tokens_per_s": state.train_tokens / step_seconds,
+        "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
+        "best_step": best["step"],
+        "valid_best": state.best_score,
+    }
+
+
 def run_in_world(
     cfg,
     run_dir: Path,
@@ -269,32 +292,14 @@ def run_in_world(
         return {}
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
-    state = trainer.state
-    step_seconds = max(state.train_seconds - state.valid_seconds, 1e-9)
-    report(
-        f"trained {state.step} steps ({state.epoch - 1} full epochs) in {state.train_seconds / 60:.1f} min "
-        f"({state.valid_seconds / 60:.1f} of them validating), "
-        f"{state.train_tokens / step_seconds:.0f} source+target tokens/s; "
-        f"best checkpoint: step {best['step']} ({run_dir / 'checkpoint_best.pt'})"
-    )
+    summary = training_summary(trainer, best, run_dir)
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device) if tests else {}
-    summary = {
-        "parameters": count_parameters(model),
-        "steps": state.step,
-        "epochs": state.epoch - 1 + state.batch_in_epoch / max(len(trainer.epoch_batches(state.epoch)), 1),
-        "train_minutes": state.train_seconds / 60,
-        "valid_minutes": state.valid_seconds / 60,
-        "tokens_per_s": state.train_tokens / step_seconds,
-        "autocast": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "fp32",
-        "best_step": best["step"],
-        "valid_best": state.best_score,
-        "test": results,
-    }
+    summary["test"] = results
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.trainer.average_last:
         summary |= evaluate_average(cfg, run_dir, model, tokenizer, valid, device, tests)
         (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-    metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": state.best_score}
+    metrics = {f"{name}/bleu": r["bleu"] for name, r in results.items()} | {"valid/best": trainer.state.best_score}
     trainer.monitor.hparams(to_plain(cfg), metrics)
     trainer.monitor.close()
     return results
