@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from transformer import checkpoint, decoding
+from transformer.beams import best_extensions, stay_in_place
 from transformer.data import pad
 from transformer.decoder_models import Ensemble, Uncached
-from transformer.decoding import DecodeConfig, beam_search, best_extensions, generate, greedy, sampler, stay_in_place
+from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler
 from transformer.model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3

@@ -14,7 +14,6 @@ models' probabilities.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .beams import best_extensions, stay_in_place
 from .data import TokenizedCorpus, pad, token_batches
 from .devices import PRECISIONS, autocast_dtype
 from .model import padding_mask
@@ -201,7 +201,7 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         rows_max_len = max_len.repeat_interleave(width)
         forcing = bool((step + 1 >= host_max_len).any())
-        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, eos_id, pad_id, cfg.min_len, forcing)
+        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, forcing, eos_id, pad_id, cfg.min_len)
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
@@ -232,70 +232,18 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
 
 
-def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """The `count` best one-token extensions of each sentence's beams: scores (sentences, width)
-    and lprobs (sentences * width, vocab) -> their scores and indices (beam * vocab + token),
-    each (sentences, count), sorted best first.
-
-    The same as the top `count` of scores + lprobs over each sentence's width * vocab entries,
-    without writing out that sum: the rows are cut into chunks, and the best `count` entries lie
-    in the `count` chunks with the highest maxima (a chunk holding one of them has a maximum at
-    least as high, and at most count - 1 other chunks can have a higher one). So one pass finds
-    the chunk maxima and only those chunks are read again."""
-    n, width = scores.shape
-    vocab = lprobs.size(1)
-    chunk = chunk_size(vocab)
-    if chunk is None or width * vocab <= 4 * count * chunk:  # no chunk size fits, or little to skip
-        return (scores.view(-1, 1) + lprobs).view(n, -1).topk(count, dim=1)
-    per_row = vocab // chunk
-    chunks = lprobs.view(n * width, per_row, chunk)
-    maxima = (chunks.amax(-1) + scores.view(-1, 1)).view(n, width * per_row)
-    best = maxima.topk(count, dim=1).indices  # (n, count): chunk numbers within each sentence
-    beam = best // per_row
-    rows = torch.arange(n, device=lprobs.device)[:, None] * width + beam
-    values = chunks[rows, best % per_row] + scores.gather(1, beam)[..., None]  # (n, count, chunk)
-    top, where = values.view(n, -1).topk(count, dim=1)
-    return top, best.gather(1, where // chunk) * chunk + where % chunk
-
-
-@functools.cache
-def chunk_size(vocab: int) -> int | None:
-    """The largest divisor of the vocabulary size from 16 to 256 (None if there is none): the
-    chunk `best_extensions` cuts rows into. Cached, since every beam-search step asks."""
-    return next((c for c in range(256, 15, -1) if vocab % c == 0), None)
-
-
-def stay_in_place(parents: Tensor) -> Tensor:
-    """An order for each sentence's k surviving beams that puts a survivor in its parent's slot
-    where it can: (sentences, k) parent slots -> (sentences, k) indices to gather survivors by.
-
-    Beam search depends on the set of beams, not their order, and a beam that stays in its
-    parent's slot needs no copy of its key/value cache (see GrowingCache.reorder). The first
-    survivor of each parent takes the parent's slot; the others fill the free slots in order.
-    """
-    n, k = parents.shape
-    slots = torch.arange(k, device=parents.device)
-    earlier = torch.ones(k, k, dtype=torch.bool, device=parents.device).tril(-1)  # [j, i]: i before j
-    first = ~((parents[:, :, None] == parents[:, None, :]) & earlier).any(-1)  # first survivor of its parent
-    taken = (parents[:, :, None] == slots).any(1)  # slot s is some survivor's parent
-    free = torch.sort(taken.to(torch.int8), dim=1, stable=True).indices  # the free slots first, ascending
-    rank = ((~first).long().cumsum(1) - 1).clamp(min=0)  # position among the survivors that move
-    slot = torch.where(first, parents, free.gather(1, rank))
-    return torch.empty_like(slot).scatter_(1, slot, slots.expand(n, k))
-
-
 def step_log_probs(
-    logits: Tensor, step: int, max_len: Tensor, eos_id: int, pad_id: int, min_len: int = 0, forcing: bool | None = None
+    logits: Tensor, step: int, max_len: Tensor, forcing: bool, eos_id: int, pad_id: int, min_len: int = 0
 ) -> Tensor:
     """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len
-    and refused before min_len tokens. `forcing`, when given, says whether any row is at its
-    max_len (the caller may know it without asking the device)."""
+    and refused before min_len tokens. `forcing` says whether any row is at its max_len, which
+    the caller knows from its host copy of the lengths without waiting for the device."""
     lprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     lprobs[:, pad_id] = -math.inf
     out_of_room = step + 1 >= max_len
     if step < min_len:
         lprobs[:, eos_id] = torch.where(out_of_room, lprobs[:, eos_id], -math.inf)
-    if out_of_room.any() if forcing is None else forcing:
+    if forcing:
         forced = torch.full_like(lprobs[0], -math.inf)
         forced[eos_id] = 0.0
         lprobs[out_of_room] = torch.where(forced.isfinite(), lprobs[out_of_room], forced)
