@@ -256,10 +256,10 @@ def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: Decod
     k = cfg.beam_size
     length = tokens.size(1)  # generated tokens so far + BOS = this hypothesis' length with its EOS
     penalty = length_penalty(length, cfg.length_penalty)
-    ends, top, beam = ends[:, :k].cpu(), top[:, :k].cpu().tolist(), beam[:, :k].cpu().tolist()
-    found = [(sent, rank) for sent, rank in ends.nonzero().tolist() if not done[sent]]
-    if not found:
+    found = [(sent, rank) for sent, rank in ends[:, :k].cpu().nonzero().tolist() if not done[sent]]
+    if not found:  # the scores and parents are copied to the host only when a hypothesis ended
         return
+    top, beam = top[:, :k].cpu().tolist(), beam[:, :k].cpu().tolist()
     rows = torch.tensor([sent * width + beam[sent][rank] for sent, rank in found], device=tokens.device)
     for (sent, rank), ids in zip(found, tokens[rows, 1:].tolist()):  # one copy of all their tokens
         log_prob = top[sent][rank]
