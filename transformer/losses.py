@@ -1,11 +1,12 @@
 """The training objective and schedule: the paper's learning-rate schedule, label-smoothed
-cross-entropy (a readable reference and the fused version training uses) and R-Drop's
-symmetric KL regularizer."""
+cross-entropy (a readable reference, torch's fused version, and the output projection and loss
+computed together in chunks, which training uses) and R-Drop's symmetric KL regularizer."""
 
 from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -72,9 +73,101 @@ def smoothed_cross_entropy(logits: Tensor, target: Tensor, pad_id: int, smoothin
     )
 
 
+# Rows of logits per chunk in `projected_cross_entropy`: about this many elements, so that a chunk's
+# fp32 logits (16 MB on CPU) stay in memory the allocator reuses; GPUs want larger products.
+CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}
+
+
+class _ProjectedCrossEntropy(torch.autograd.Function):
+    """Label-smoothed cross-entropy of `hidden @ weight.T`, summed over non-padding positions,
+    without ever holding the (tokens, vocab) logits: the rows go through in chunks, and each
+    chunk's gradients, (softmax - smoothed target) @ weight for the hidden states and its
+    transpose product for the weight, are computed in the forward pass, while its logits are at
+    hand. Backward only scales them by the incoming gradient. See `projected_cross_entropy`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, pad_id, smoothing, dtype, chunk_rows):
+        flat, target = hidden.reshape(-1, hidden.size(-1)), target.reshape(-1)
+        keep = (target != pad_id).unsqueeze(1)
+        x, w = flat.to(dtype), weight.to(dtype)
+        exact = torch.promote_types(dtype, torch.float32)  # softmax and sums: at least fp32
+        vocab = w.size(0)
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=exact, device=weight.device)
+        total = torch.zeros((), dtype=exact, device=weight.device)
+        for start in range(0, x.size(0), chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            z = torch.mm(x[rows], w.t()).to(exact)  # this chunk's logits
+            t, kept = target[rows].unsqueeze(1), keep[rows]
+            z_target, z_mean = z.gather(1, t), z.mean(1, keepdim=True)
+            top = z.amax(1, keepdim=True)
+            z.sub_(top).exp_()
+            sums = z.sum(1, keepdim=True)
+            lse = top + sums.log()
+            row_loss = (1.0 - smoothing) * (lse - z_target) + smoothing * (lse - z_mean)
+            total += row_loss.masked_fill(~kept, 0.0).sum()
+            # d loss / d logits = softmax - ((1 - smoothing) one-hot(target) + smoothing / vocab)
+            z.div_(sums).sub_(smoothing / vocab)
+            z.scatter_add_(1, t, torch.full_like(z_target, smoothing - 1.0))
+            g = z.masked_fill_(~kept, 0.0).to(dtype)
+            torch.mm(g, w, out=grad_x[rows])
+            grad_w += torch.mm(g.t(), x[rows])
+        ctx.save_for_backward(grad_x.to(hidden.dtype).view_as(hidden), grad_w.to(weight.dtype))
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad, grad_weight * grad, None, None, None, None, None
+
+
+def projected_cross_entropy(
+    hidden: Tensor, weight: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype: torch.dtype | None = None
+) -> Tensor:
+    """`smoothed_cross_entropy(F.linear(hidden, weight), ...)` without the logits tensor.
+
+    hidden: (batch, len, d_model), the decoder's normalized output; weight: (vocab, d_model), the
+    output projection (no bias); target: (batch, len). The products run in `dtype` (e.g. the
+    autocast dtype; default: the weight's), the softmax in fp32 or wider. Training spends much of
+    a small model's step on the output layer and its loss: the logits and their fp32 copies,
+    log-probabilities and gradients are (tokens, vocab) tensors, 131 MB each in fp32 at 4,096
+    tokens and 8,000 pieces, allocated afresh every step. Chunked, they are a few MB each and
+    reused; scripts/benchmark.py compares the two (implementation ours-logits).
+    """
+    dtype = dtype or weight.dtype
+    chunk = CHUNK_ELEMENTS.get(hidden.device.type, CHUNK_ELEMENTS["cuda"])
+    return _ProjectedCrossEntropy.apply(
+        hidden, weight, target, pad_id, smoothing, dtype, max(1, chunk // weight.size(0))
+    )
+
+
 def symmetric_kl(logits_a: Tensor, logits_b: Tensor, keep: Tensor) -> Tensor:
     """R-Drop's regularizer (Liang et al. 2021): (KL(p_a || p_b) + KL(p_b || p_a)) / 2, summed over
     the target positions where `keep` is True. logits: (batch, len, vocab); keep: (batch, len)."""
     a, b = F.log_softmax(logits_a.float(), dim=-1), F.log_softmax(logits_b.float(), dim=-1)
     kl = (a.exp() * (a - b) + b.exp() * (b - a)).sum(-1) / 2
     return kl.masked_fill(~keep, 0.0).sum()
+
+
+def training_objective(
+    out: Tensor, target: Tensor, pad_id: int, smoothing: float, rdrop: float, weight: Tensor | None, amp_dtype
+) -> tuple[Tensor, Tensor]:
+    """(summed label-smoothed loss, what training differentiates) for one batch.
+
+    out: the model's logits, or with `weight` (the output projection) its decoder output, which
+    `projected_cross_entropy` projects chunk by chunk; its products run in bf16 under bf16
+    autocast, and in the weight's dtype otherwise (fp16's range would underflow small gradients).
+    With rdrop > 0, out holds the batch twice (two dropout draws) and the objective adds R-Drop's
+    regularizer to the mean of the two losses.
+    """
+    if weight is not None:
+        dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 else None
+        loss = projected_cross_entropy(out, weight, target, pad_id, smoothing, dtype)
+        return loss, loss
+    if rdrop:
+        first, second = out.chunk(2)
+        loss = (smoothed_cross_entropy(first, target, pad_id, smoothing) + smoothed_cross_entropy(second, target, pad_id, smoothing)) / 2  # fmt: skip
+        return loss, loss + rdrop * symmetric_kl(first, second, target != pad_id)
+    loss = smoothed_cross_entropy(out, target, pad_id, smoothing)
+    return loss, loss

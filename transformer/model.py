@@ -292,10 +292,13 @@ class Transformer(nn.Module):
         src_mask: Tensor,
         state: DecoderState | None = None,
         need_weights: bool = False,
+        project: bool = True,
     ) -> tuple[Tensor, list]:
         """tgt: (batch, tgt_len) -> logits (batch, tgt_len, vocab), per-layer attention weights.
 
         With a `state`, tgt holds only the new tokens; earlier ones are read from the state.
+        project=False returns the normalized decoder output instead of the logits, for a loss
+        that applies `output_weight` itself (losses.projected_cross_entropy).
         """
         offset = state.length if state is not None else 0
         if state is not None and not state.layers:
@@ -311,17 +314,24 @@ class Transformer(nn.Module):
             weights.append(w)
         if state is not None:
             state.length += tgt.size(1)
-        return self.project(self.decoder_norm(x)), weights
+        x = self.decoder_norm(x)
+        return (self.project(x) if project else x), weights
 
     def project(self, x: Tensor) -> Tensor:
         """(batch, len, d_model) -> logits (batch, len, vocab)"""
         return linear(x, self.embed.embed.weight, None, self.tied_packed) if self.output is None else self.output(x)
 
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """Teacher forcing: src (batch, src_len), tgt (batch, tgt_len) starting with BOS -> logits."""
+    @property
+    def output_weight(self) -> Tensor:
+        """The output projection's (vocab, d_model) weight: the embedding's when tied."""
+        return self.embed.embed.weight if self.output is None else self.output.weight
+
+    def forward(self, src: Tensor, tgt: Tensor, project: bool = True) -> Tensor:
+        """Teacher forcing: src (batch, src_len), tgt (batch, tgt_len) starting with BOS -> logits
+        (or, with project=False, the decoder output the logits are projected from)."""
         src_mask = padding_mask(src, self.cfg.pad_id)
         memory, _ = self.encode(src, src_mask)
-        return self.decode(tgt, memory, src_mask)[0]
+        return self.decode(tgt, memory, src_mask, project=project)[0]
 
     def attention_modules(self) -> dict[str, list[MultiHeadAttention]]:
         return {

@@ -43,6 +43,7 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
+    chunked_loss: bool = True  # output layer and loss in chunks, no full logits (projected_cross_entropy)
     members: int = 1  # models trained at once (seeds seed..seed+N-1, cores/N threads each), then ensembled
 
     def __post_init__(self) -> None:

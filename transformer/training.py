@@ -21,7 +21,7 @@ from .data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
 from .devices import autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
-from .losses import scheduled_lr, smoothed_cross_entropy, symmetric_kl
+from .losses import scheduled_lr, training_objective
 from .model import Transformer
 from .monitoring import Monitor, Throughput
 from .plotting import attention_figures
@@ -202,16 +202,14 @@ class Trainer:
             src, tgt_in = batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1)
         else:
             src, tgt_in = batch.src, batch.tgt_in
+        chunked = self.tcfg.chunked_loss and not self.tcfg.rdrop  # R-Drop's KL needs the logits
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            logits = self.forward_model(src, tgt_in)
-        if self.tcfg.rdrop:
-            first, second = logits.chunk(2)
-            loss = (smoothed_cross_entropy(first, batch.tgt_out, pad, smoothing) + smoothed_cross_entropy(second, batch.tgt_out, pad, smoothing)) / 2  # fmt: skip
-            regularizer = self.tcfg.rdrop * symmetric_kl(first, second, batch.tgt_out != pad)
-            objective = (loss + regularizer) * self.world.size / n_tokens
-        else:
-            loss = smoothed_cross_entropy(logits, batch.tgt_out, pad, smoothing)
-            objective = loss * self.world.size / n_tokens
+            out = self.forward_model(src, tgt_in, project=not chunked)
+        weight = self.model.output_weight if chunked else None
+        loss, objective = training_objective(
+            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype
+        )
+        objective = objective * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
         if aux is not None:
             objective = objective + aux / n_batches
