@@ -13,6 +13,9 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
                 implementations=[ours,ours-compile,ours-recompute])
   ours-blas     ours with the oneDNN path of transformer/linear.py off: fp32 products on torch's
                 BLAS, as in torch and hf-marian (on request)
+  ours-logits   ours with trainer.chunked_loss=false: the full (tokens, vocab) logits and torch's
+                cross-entropy, as in torch and hf-marian, instead of the chunked output layer and
+                loss (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
 on CPU; on a GPU, the most device memory torch allocated) is its own. The batches are built once
 (the tokenizer is trained once) and handed to every process in a file. With rounds=R every
@@ -49,7 +52,7 @@ PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
 }
-IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute, ours-blas
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute, ours-blas, ours-logits
 VOCAB = 8000
 
 
@@ -98,10 +101,13 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 # --- The three implementations, each as (model, loss function) ----------------------------------
 
 
-def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, onednn: bool = True):
-    """Our model and the loss the trainer uses; compile and recompute as trainer.compile / trainer.recompute."""
+def build_ours(
+    layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, onednn: bool = True, chunked=True
+):
+    """Our model and the loss the trainer uses; compile, recompute and chunked as trainer.compile,
+    trainer.recompute and trainer.chunked_loss."""
     from transformer.linear import set_onednn
-    from transformer.losses import smoothed_cross_entropy
+    from transformer.losses import training_objective
     from transformer.model import ModelConfig, Transformer
 
     set_onednn(onednn)  # each measurement has its own process
@@ -110,7 +116,11 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
     forward = torch.compile(model, dynamic=True) if compile else model
 
     def loss(src, tgt_in, tgt_out):
-        return smoothed_cross_entropy(forward(src, tgt_in), tgt_out, 0, 0.1)
+        out = forward(src, tgt_in, project=not chunked)
+        device = src.device.type  # called under autocast when measuring bf16, as the trainer's forward is
+        amp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        with torch.autocast(device, enabled=False):  # the trainer computes its loss outside autocast
+            return training_objective(out, tgt_out, 0, 0.1, 0.0, model.output_weight if chunked else None, amp_dtype)[0]
 
     return model, loss
 
@@ -172,6 +182,7 @@ BUILDERS = {
     "ours-compile": partial(build_ours, compile=True),
     "ours-recompute": partial(build_ours, recompute=True),
     "ours-blas": partial(build_ours, onednn=False),
+    "ours-logits": partial(build_ours, chunked=False),
     "torch": build_torch,
     "hf-marian": build_hf,
 }

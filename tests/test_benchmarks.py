@@ -11,7 +11,7 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     out = tmp_path / "bench.json"
     args = [
         "presets=[small]",
-        "implementations=[ours,ours-blas,torch]",
+        "implementations=[ours,ours-blas,ours-logits,torch]",
         "precisions=[fp32]",
         "steps=1",
         "rounds=2",
@@ -23,8 +23,8 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["implementation"]: r for r in report["rows"]}
-    assert set(rows) == {"ours", "ours-blas", "torch"}  # ours-blas: oneDNN linear path off
-    assert rows["ours"]["parameters"] == rows["ours-blas"]["parameters"]
+    assert set(rows) == {"ours", "ours-blas", "ours-logits", "torch"}  # oneDNN linear path off, full logits
+    assert rows["ours"]["parameters"] == rows["ours-blas"]["parameters"] == rows["ours-logits"]["parameters"]
     assert (
         abs(rows["ours"]["parameters"] - rows["torch"]["parameters"]) / rows["torch"]["parameters"] < 0.01
     )  # same size

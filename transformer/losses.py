@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linear import linear
+
 
 def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
     """Linear warmup to `peak`, then decay with 1/sqrt(step).
@@ -97,7 +99,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=exact, device=weight.device)
         for start in range(0, x.size(0), chunk_rows):
             rows = slice(start, start + chunk_rows)
-            z = torch.mm(x[rows], w.t()).to(exact)  # this chunk's logits
+            z = linear(x[rows], w).to(exact)  # this chunk's logits (fp32 CPU products on oneDNN: linear.py)
             t, kept = target[rows].unsqueeze(1), keep[rows]
             z_target, z_mean = z.gather(1, t), z.mean(1, keepdim=True)
             top = z.amax(1, keepdim=True)
@@ -110,7 +112,7 @@ class _ProjectedCrossEntropy(torch.autograd.Function):
             z.div_(sums).sub_(smoothing / vocab)
             z.scatter_add_(1, t, torch.full_like(z_target, smoothing - 1.0))
             g = z.masked_fill_(~kept, 0.0).to(dtype)
-            torch.mm(g, w, out=grad_x[rows])
+            grad_x[rows] = linear(g, w.t())
             grad_w += torch.mm(g.t(), x[rows])
         ctx.save_for_backward(grad_x.to(hidden.dtype).view_as(hidden), grad_w.to(weight.dtype))
         return total
