@@ -78,3 +78,16 @@ def test_projected_loss_in_bf16_stays_near_the_fp32_one():
     torch.testing.assert_close(bf16, fp32, rtol=2e-2, atol=0)
     for got, want in zip(grads, expected):
         assert (got - want).norm() < 0.05 * want.norm()
+
+
+def test_projected_loss_in_fp32_matches_the_float64_one(small_chunks):
+    """fp32 products on CPU take linear.py's oneDNN path (when torch has oneDNN)."""
+    hidden, weight, target = padded_problem()
+    exact = projected_cross_entropy(hidden, weight, target, 0, 0.1)
+    expected = torch.autograd.grad(exact, (hidden, weight))
+    h32, w32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    fp32 = projected_cross_entropy(h32, w32, target, 0, 0.1)
+    grads = torch.autograd.grad(fp32, (h32, w32))
+    torch.testing.assert_close(fp32.double(), exact, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
