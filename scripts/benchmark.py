@@ -13,9 +13,8 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
                 implementations=[ours,ours-compile,ours-recompute])
   ours-blas     ours with the oneDNN path of transformer/linear.py off: fp32 products on torch's
                 BLAS, as in torch and hf-marian (on request)
-  ours-logits   ours with trainer.chunked_loss=false: the full (tokens, vocab) logits and torch's
-                cross-entropy, as in torch and hf-marian, instead of the chunked output layer and
-                loss (on request)
+  ours-logits   ours with trainer.chunked_loss=false: full (tokens, vocab) logits and torch's
+                cross-entropy, as in torch and hf-marian, not the chunked loss (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
 on CPU; on a GPU, the most device memory torch allocated) is its own. The batches are built once
 (the tokenizer is trained once) and handed to every process in a file. With rounds=R every
@@ -104,8 +103,7 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 def build_ours(
     layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, onednn: bool = True, chunked=True
 ):
-    """Our model and the loss the trainer uses; compile, recompute and chunked as trainer.compile,
-    trainer.recompute and trainer.chunked_loss."""
+    """Our model and the trainer's loss; the flags as trainer.compile, recompute and chunked_loss."""
     from transformer.linear import set_onednn
     from transformer.losses import training_objective
     from transformer.model import ModelConfig, Transformer
