@@ -111,6 +111,15 @@ def test_evaluate_and_average_checkpoints(smoke_run, shared_corpus, tmp_path):
     assert run("translate.py", f"checkpoint={tmp_path / 'avg.pt'}", stdin="Ein Hund.\n").returncode == 0
 
 
+def test_evaluate_with_mbr_reranks_the_beams_hypotheses(smoke_run, shared_corpus, tmp_path):
+    args = [f"checkpoint={smoke_run / 'checkpoint_best.pt'}", f"data_dir={shared_corpus}", "decode.max_len_b=5"]
+    result = run("evaluate.py", *args, "decode.mbr=chrf", "decode.mbr_weights=uniform", f"output={tmp_path / 'mbr'}")
+    assert result.returncode == 0, result.stderr
+    assert "beam5-mbr-chrf: BLEU" in result.stdout and "tok:13a" in result.stdout
+    beam = (smoke_run / "test_2016_flickr.beam5.en").read_text().splitlines()
+    assert len((tmp_path / "mbr").read_text().splitlines()) == len(beam)
+
+
 def test_tensorboard_events_hold_the_runs_scalars_texts_images_and_hparams(smoke_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -216,6 +225,7 @@ def bad_input_cases(run_dir: Path, tmp: Path) -> list[tuple[list[str], str, list
         (["translate.py", f"checkpoint={best}", f"input={tmp / 'nothing.de'}"], "", ["nothing.de"]),
         (["translate.py", f"checkpoint={best}", "decode.beam_size=many"], "", ["decode.beam_size"]),
         (["translate.py", f"checkpoint={best}", "decode.strategy=best"], "", ["decode.strategy"]),
+        (["translate.py", f"checkpoint={best}", "decode.strategy=greedy", "decode.mbr=chrf"], "", ["decode.mbr"]),
         (["evaluate.py", f"checkpoint={best}", f"src={src}", f"ref={ref}"], "", ["src.de has 2 lines", "ref.en has 1"]),
         (["evaluate.py", f"checkpoint={best}", f"src={src}"], "", ["ref=PATH"]),
         (["evaluate.py", f"checkpoint={best}", "split=test_2099"], "", ["test_2099"]),

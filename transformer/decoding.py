@@ -14,6 +14,7 @@ models' probabilities.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from torch import Tensor
 from .beams import best_extensions, stay_in_place
 from .data import TokenizedCorpus, pad, token_batches
 from .devices import PRECISIONS, autocast_dtype
+from .mbr import UTILITIES, WEIGHTS, rerank
 from .model import padding_mask
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class DecodeConfig:
     top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
     seed: int = 1  # sampling
     precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with bf16 matrix instructions and on GPUs
+    mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
+    mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -56,13 +60,23 @@ class DecodeConfig:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"decode.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.mbr not in UTILITIES or self.mbr_weights not in WEIGHTS:
+            raise ValueError(f"decode.mbr must be one of {UTILITIES} and decode.mbr_weights one of {WEIGHTS}")
+        if self.mbr != "none" and self.strategy != "beam":
+            raise ValueError(f"decode.mbr={self.mbr} reranks beam search's hypotheses: it needs decode.strategy=beam")
         if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("decode.temperature must be > 0, decode.top_p in (0, 1], decode.top_k >= 0")
 
+    def greedy(self) -> DecodeConfig:
+        """These settings with greedy search (and no MBR, which needs a beam)."""
+        return dataclasses.replace(self, strategy="greedy", mbr="none")
+
     @property
     def label(self) -> str:
-        """A short name for file names and reports: greedy, beam5, sample."""
-        return f"beam{self.beam_size}" if self.strategy == "beam" else self.strategy
+        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
+        if self.strategy != "beam":
+            return self.strategy
+        return f"beam{self.beam_size}" + (f"-mbr-{self.mbr}" if self.mbr != "none" else "")
 
 
 @dataclass
@@ -301,7 +315,9 @@ def decode_batch(model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=Non
 def translate_ids(
     model, sources: list[list[int]], tokenizer, cfg: DecodeConfig, device, progress=None
 ) -> list[list[Hypothesis]]:
-    """Translate token-id sentences in length-sorted batches; n-best lists come back in input order."""
+    """Translate token-id sentences in length-sorted batches; n-best lists come back in input order.
+    With decode.mbr, beam search keeps all beam_size hypotheses and MBR chooses their order."""
+    search = dataclasses.replace(cfg, n_best=cfg.beam_size) if cfg.mbr != "none" else cfg
     lengths = np.array([len(s) + 1 for s in sources], dtype=np.int64)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     out: list[list[Hypothesis]] = [[] for _ in sources]
@@ -311,11 +327,14 @@ def translate_ids(
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            n_best = decode_batch(model, src, tokenizer, cfg, generator)
+            n_best = decode_batch(model, src, tokenizer, search, generator)
         for i, hyps in zip(indices, n_best):
             out[i] = hyps
         if progress is not None:
             progress.update(len(indices))
+    if cfg.mbr != "none":
+        texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in out]
+        out = [hyps[: cfg.n_best] for hyps in rerank(out, texts, cfg.mbr, cfg.mbr_weights)]
     return out
 
 

@@ -117,7 +117,7 @@ def evaluate_tests(
     """Decode each test split greedily and with the configured strategy; write the hypotheses
     next to the checkpoints as {split}.{tag}{strategy}.{tgt_lang}; report BLEU and chrF."""
     model.eval()
-    strategies = [dataclasses.replace(cfg.decode, strategy="greedy")]
+    strategies = [cfg.decode.greedy()]
     if cfg.decode.strategy != "greedy":
         strategies.append(cfg.decode)
     results = {}
@@ -156,7 +156,7 @@ def evaluate_average(
     checkpoint.write(run_dir / f"checkpoint_{name}.pt", averaged)
     model.load_state_dict(averaged["model"])
     model.eval()
-    hyps = translate_corpus(model, valid, tokenizer, dataclasses.replace(cfg.decode, strategy="greedy"), device)
+    hyps = translate_corpus(model, valid, tokenizer, cfg.decode.greedy(), device)
     valid_bleu = score(hyps, valid.tgt_text).bleu
     report(
         f"averaged the checkpoints of steps {', '.join(p.stem.split('_')[1] for p in paths)} into "

@@ -3,7 +3,7 @@ perplexity) and greedy BLEU and chrF, which pick the best checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +45,7 @@ def validate(
     result = Validation(validation_loss(model, data, tokenizer, max_tokens, device, amp_dtype))
     if bleu:
         with progress_bar(len(data), "validate") as bar:
-            n_best = translate_ids(model, data.src, tokenizer, replace(decode, strategy="greedy"), device, bar)
+            n_best = translate_ids(model, data.src, tokenizer, decode.greedy(), device, bar)
         result.hyp_ids = [hyps[0].tokens for hyps in n_best]
         result.hyps = tokenizer.decode(result.hyp_ids)
         scores = score(result.hyps, data.tgt_text)
