@@ -13,7 +13,7 @@
 # .whl/ (see scripts/gpu_report.sh).
 #
 # Measured on an H100 (docs/RESULTS.md): a member of the small en-de recipe trains about 6 steps/s
-# there, bound by kernel launches (11% GPU use in the one reading with two), so 4,540 steps take
+# there, held back by its CPU side (11% GPU use in the one reading with two), so 4,540 steps take
 # about 13 minutes and do not fit in one 10-minute device call; twelve members at once stopped the
 # machine answering.
 set -uo pipefail
