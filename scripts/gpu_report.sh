@@ -9,7 +9,8 @@
 #      budget cut to the time left so the whole call ends within $BUDGET seconds.
 # STAGES picks some of them (default "train compile decode base"); COMPILE_SECONDS bounds the
 # torch.compile measurement (on an H200, 100 s was not enough to compile the base model).
-# Results go to $OUT (default outputs/gpu). Wheels of packages the machine lacks may be in .whl/.
+# Results go to $OUT (default outputs/gpu). Wheels of packages the machine lacks may be in .whl/
+# (scripts/gpu_wheels.sh).
 set -uo pipefail
 out=${OUT:-outputs/gpu}
 budget=${BUDGET:-560}
@@ -17,16 +18,9 @@ python=${PYTHON:-python3}
 stages=" ${STAGES:-train compile decode base} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MPLBACKEND=Agg
-loads() { $python -c "from transformer.data import DataConfig, load_split; load_split(DataConfig(), 'val')"; }
-if compgen -G ".whl/*.whl" >/dev/null; then
-    # Under a folder named site-packages: datasets hashes its tables with dill, which pickles by
-    # value (and there fails on pyarrow's types) a module that lives anywhere else.
-    site=/tmp/wheels/site-packages
-    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
-    export PYTHONPATH=$site:$PWD
-    loads || { echo "the carried pyarrow failed; using the machine's own"; rm -rf $site/pyarrow*; }
-fi
-loads || { echo "gpu_report: cannot load the data"; exit 1; }
+source scripts/gpu_wheels.sh
+gpu_use_carried_wheels || exit 1
+gpu_data_loads || { echo "gpu_report: cannot load the data"; exit 1; }
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
     $python -c "import torch, transformers, sacrebleu, hydra, datasets; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'sacrebleu', sacrebleu.__version__, 'datasets', datasets.__version__)"

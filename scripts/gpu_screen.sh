@@ -10,7 +10,7 @@
 # Each argument is one variant's Hydra overrides ("" is the recipe itself); EXPERIMENT names the
 # recipe (default multi30k_en_de). Results go to $OUT (default outputs/gpu_screen): summary.txt and
 # the variants' logs and results.json in screen.tgz. Wheels of packages the machine lacks may be in
-# .whl/ (see scripts/gpu_report.sh).
+# .whl/ (scripts/gpu_wheels.sh).
 #
 # Measured on an H100 (docs/RESULTS.md): a member of the small en-de recipe trains about 6 steps/s
 # there, held back by its CPU side (11% GPU use in the one reading with two), so 4,540 steps take
@@ -26,12 +26,8 @@ python=${PYTHON:-python3}
 runs=/tmp/screen
 mkdir -p "$out" $runs
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MPLBACKEND=Agg
-if compgen -G ".whl/*.whl" >/dev/null; then
-    site=/tmp/wheels/site-packages  # see scripts/gpu_report.sh for why the folder has this name
-    rm -rf $site
-    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl || exit 1
-    export PYTHONPATH=$site:$PWD
-fi
+source scripts/gpu_wheels.sh
+gpu_use_carried_wheels || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/summary.txt"
 
 for i in $(seq 1 $#); do
