@@ -1,9 +1,9 @@
-"""transformer.dropout: the CPU mask drawn four elements to a random word."""
+"""transformer.dropout: the CPU mask drawn four elements to a random word, and word dropout."""
 
 import pytest
 import torch
 
-from transformer.dropout import Dropout, dropout, keep_mask
+from transformer.dropout import Dropout, dropout, keep_mask, word_dropout
 
 CPU = torch.device("cpu")
 
@@ -49,3 +49,16 @@ def test_module_modes_and_edge_probabilities():
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
     with pytest.raises(ValueError, match="between 0 and 1"):
         Dropout(1.5)
+
+
+def test_word_dropout_zeroes_whole_token_vectors_without_bias():
+    torch.manual_seed(2)
+    x = torch.randn(64, 50, 16, requires_grad=True)
+    y = word_dropout(x, 0.25)
+    dropped = (y == 0).all(-1)  # (batch, length): whole vectors, never single features
+    assert torch.equal((y == 0).any(-1), dropped)
+    assert dropped.float().mean().item() == pytest.approx(0.25, abs=0.03)  # 3,200 tokens: 4 s.d.
+    assert torch.allclose(y[~dropped], x[~dropped] / 0.75)
+    y.sum().backward()
+    assert torch.equal((x.grad == 0).all(-1), dropped)
+    assert word_dropout(x, 0.25, training=False) is x and word_dropout(x, 0.0) is x

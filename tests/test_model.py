@@ -257,11 +257,27 @@ def test_base_preset_is_the_paper_model():
         ({"d_model": 30, "n_heads": 4}, "model.d_model"),
         ({"n_kv_heads": 3}, "model.n_kv_heads"),
         ({"positional": "alibi"}, "model.positional"),
+        ({"word_dropout": 1.0}, "model.word_dropout"),
     ],
 )
 def test_bad_model_config_names_the_key(overrides, key):
     with pytest.raises(ValueError, match=key):
         ModelConfig(**overrides)
+
+
+def test_word_dropout_acts_in_training_only_and_keeps_the_decoder_causal():
+    model, src, tgt = make_model(word_dropout=0.3), random_tokens(3, 7), random_tokens(3, 6)
+    plain = make_model()  # the same weights (same seed) without word dropout
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), plain(src, tgt))  # eval: no tokens dropped
+        model.train()
+        torch.manual_seed(3)
+        noisy = model(src, tgt)
+        assert not torch.allclose(noisy, plain(src, tgt))
+        changed = tgt.clone()
+        changed[:, 4:] = random_tokens(3, 2)
+        torch.manual_seed(3)  # the same tokens dropped: only the changed positions may differ
+        assert torch.equal(model(src, changed)[:, :4], noisy[:, :4])
 
 
 def test_head_mask_of_ones_changes_nothing_and_keeping_one_head_changes_outputs():

@@ -30,7 +30,7 @@ from .blocks import (
     feed_forward,
     make_norm,
 )
-from .dropout import Dropout
+from .dropout import Dropout, word_dropout
 from .linear import Linear, PackedWeight, linear
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
@@ -51,6 +51,7 @@ class ModelConfig:
     dropout: float = 0.1  # on embeddings and on every sublayer output before the residual add
     attention_dropout: float = 0.0  # on attention weights
     activation_dropout: float = 0.0  # inside the feed-forward network, after the ReLU
+    word_dropout: float = 0.0  # whole input tokens of both sides in training: embedding zeroed, position kept
     bias: bool = True  # bias terms in the attention projections W_q, W_k, W_v, W_o
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
     positional: str = "sinusoidal"  # or "learned", or "rope" (rotary, inside self-attention)
@@ -68,6 +69,8 @@ class ModelConfig:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if kv_heads < 1 or self.n_heads % kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
+        if not 0.0 <= self.word_dropout < 1.0:
+            raise ValueError(f"model.word_dropout={self.word_dropout} is not in [0, 1)")
         if self.positional not in POSITIONAL_KINDS:
             raise ValueError(f"model.positional={self.positional!r} is not one of {POSITIONAL_KINDS}")
         if self.norm not in NORM_KINDS:
@@ -250,7 +253,8 @@ class Transformer(nn.Module):
         return layer(*args)
 
     def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        return self.embed_dropout(self.positions(self.embed(tokens), offset))
+        x = word_dropout(self.embed(tokens), self.cfg.word_dropout, self.training)
+        return self.embed_dropout(self.positions(x, offset))
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights.
