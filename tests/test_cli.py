@@ -172,6 +172,7 @@ def test_unknown_config_key_fails_with_hydras_error(tmp_path):
     [
         ("trainer.lr=fast", ["trainer.lr"]),
         ("model.n_kv_heads=3", ["model.n_kv_heads"]),
+        ("model.dropout=1.5", ["model.dropout=1.5", "[0, 1)"]),
         ("data.src_lang=xx", ["unknown language code 'xx'", "train.xx"]),
     ],
 )

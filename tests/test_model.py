@@ -258,6 +258,9 @@ def test_base_preset_is_the_paper_model():
         ({"n_kv_heads": 3}, "model.n_kv_heads"),
         ({"positional": "alibi"}, "model.positional"),
         ({"word_dropout": 1.0}, "model.word_dropout"),
+        ({"dropout": -0.1}, "model.dropout"),
+        ({"attention_dropout": 1.5}, "model.attention_dropout"),
+        ({"activation_dropout": 1.0}, "model.activation_dropout"),
     ],
 )
 def test_bad_model_config_names_the_key(overrides, key):

@@ -69,8 +69,9 @@ class ModelConfig:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
         if kv_heads < 1 or self.n_heads % kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
-        if not 0.0 <= self.word_dropout < 1.0:
-            raise ValueError(f"model.word_dropout={self.word_dropout} is not in [0, 1)")
+        for key in ("dropout", "attention_dropout", "activation_dropout", "word_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:  # p = 1 would blank every activation it touches
+                raise ValueError(f"model.{key}={getattr(self, key)} is not in [0, 1)")
         if self.positional not in POSITIONAL_KINDS:
             raise ValueError(f"model.positional={self.positional!r} is not one of {POSITIONAL_KINDS}")
         if self.norm not in NORM_KINDS:
