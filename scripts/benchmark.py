@@ -15,6 +15,8 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
                 BLAS, as in torch and hf-marian (on request)
   ours-logits   ours with trainer.chunked_loss=false: full (tokens, vocab) logits and torch's
                 cross-entropy, as in torch and hf-marian, not the chunked loss (on request)
+  ours-foreach  ours with torch's default (foreach) Adam instead of the fused one that the trainer
+                and every other implementation here use (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
 on CPU; on a GPU, the most device memory torch allocated) is its own. The batches are built once
 (the tokenizer is trained once) and handed to every process in a file. With rounds=R every
@@ -46,12 +48,13 @@ from transformer.benchmarking import hardware, marian_model, timed
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device
+from transformer.losses import adam
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
 }
-IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, ours-recompute, ours-blas, ours-logits
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, -recompute, -blas, -logits, -foreach
 VOCAB = 8000
 
 
@@ -181,6 +184,7 @@ BUILDERS = {
     "ours-recompute": partial(build_ours, recompute=True),
     "ours-blas": partial(build_ours, onednn=False),
     "ours-logits": partial(build_ours, chunked=False),
+    "ours-foreach": build_ours,  # the optimizer differs: measure_one
     "torch": build_torch,
     "hf-marian": build_hf,
 }
@@ -232,10 +236,8 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
     batches = torch.load(cfg.batches) if cfg.batches else real_batches(cfg, cfg.steps + 2)
     model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff)
     model.to(device).train()
-    # fused: one kernel for the whole update on a GPU (the trainer's choice there); on CPU the default
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=True if device.type == "cuda" else None
-    )
+    fused = impl != "ours-foreach"  # the trainer's Adam (transformer/losses.py), for every implementation
+    optimizer = adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, 0.0, device, fused=fused)
     dtype = torch.bfloat16 if precision == "bf16" else None
     tokens, flops, elapsed, warm_tokens, warm_elapsed = 0, 0.0, 0.0, 0, 0.0
     # On a GPU the first step of each batch shape loads and selects kernels, which here took longer

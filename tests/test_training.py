@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformer.data import collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul
-from transformer.losses import inverse_sqrt_lr, label_smoothed_loss, scheduled_lr
+from transformer.losses import adam, inverse_sqrt_lr, label_smoothed_loss, scheduled_lr
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
 
@@ -179,3 +179,28 @@ def test_bf16_autocast_is_chosen_only_for_cpus_with_bf16_matrix_instructions():
     assert not cpu_has_bf16_matmul("model name\t: avx512_bf16 in a name is not a flag\n")
     assert autocast_dtype("fp32", torch.device("cpu")) is None
     assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
+
+
+def test_the_trainers_fused_adam_updates_like_torchs_default_adam():
+    torch.manual_seed(0)
+    # No biases: the key bias's true gradient is zero, and Adam scales what rounding leaves of it to
+    # full-size steps, so the two implementations' different roundings would give different weights.
+    cfg = ModelConfig(
+        vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64, dropout=0.0, bias=False
+    )
+    fused_model, foreach_model = Transformer(cfg), Transformer(cfg)
+    foreach_model.load_state_dict(fused_model.state_dict())
+    start = fused_model.output_weight.detach().clone()
+    cpu = torch.device("cpu")
+    fused = adam(fused_model.parameters(), 1e-2, (0.9, 0.98), 1e-9, 0.01, cpu)
+    foreach = adam(foreach_model.parameters(), 1e-2, (0.9, 0.98), 1e-9, 0.01, cpu, fused=False)
+    assert fused.defaults["fused"] and not foreach.defaults["fused"]
+    src, tgt = torch.randint(1, 50, (3, 7)), torch.randint(1, 50, (3, 6))
+    for _ in range(5):
+        for model, optimizer in ((fused_model, fused), (foreach_model, foreach)):
+            optimizer.zero_grad()
+            model(src, tgt).square().mean().backward()
+            optimizer.step()
+    for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.allclose(fused_model.output_weight, start)  # the updates did move the weights

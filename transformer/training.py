@@ -21,7 +21,7 @@ from .data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
 from .devices import autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
-from .losses import scheduled_lr, training_objective
+from .losses import adam, scheduled_lr, training_objective
 from .model import Transformer
 from .monitoring import Monitor, Throughput
 from .plotting import attention_figures
@@ -65,14 +65,8 @@ class Trainer:
         if self.tcfg.compile:
             self.forward_model = torch.compile(self.forward_model, dynamic=True)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
-        self.optimizer = torch.optim.Adam(
-            model.parameters(),
-            lr=self.tcfg.lr,
-            betas=tuple(self.tcfg.betas),
-            eps=self.tcfg.eps,
-            weight_decay=self.tcfg.weight_decay,
-            fused=True if self.device.type == "cuda" else None,  # one kernel for the whole update on a GPU
-        )
+        t = self.tcfg
+        self.optimizer = adam(model.parameters(), t.lr, t.betas, t.eps, t.weight_decay, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.lengths = train.lengths()
