@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has bf16 matrix instructions)
     python scripts/benchmark.py presets=[small] steps=5 output=bench.json
+    python scripts/benchmark.py presets=[small] threads=1 max_tokens=2048   # as one of two trainer.members
     python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
 
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
@@ -68,6 +69,7 @@ class BenchConfig:
     max_tokens: int = 4096  # per batch; on a GPU larger batches (e.g. 32768) are needed to keep it busy
     data_dir: str = "data/multi30k"
     device: str = "auto"  # cuda when present, else cpu
+    threads: int = 0  # CPU threads per measurement; 0 = torch's default; 1 = as each of trainer.members
     output: Optional[str] = None
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
     batches: Optional[str] = None  # internal: the file of batches the measurement processes share
@@ -293,6 +295,7 @@ def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> di
         f"max_tokens={cfg.max_tokens}",
         f"data_dir={cfg.data_dir}",
         f"device={cfg.device}",
+        f"threads={cfg.threads}",
         f"batches={cfg.batches}",
     ]
     result = subprocess.run(args, capture_output=True, text=True, env=child_environment(impl))
@@ -356,7 +359,7 @@ def ratio(value: float | None) -> str:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, BenchConfig, __doc__)
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(cfg.threads or torch.get_num_threads())
     if cfg.one:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
         return
