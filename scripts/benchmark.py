@@ -25,7 +25,7 @@ measurement is repeated R times, the implementations taking turns in alternating
 median is reported with the spread: a machine whose speed drifts during the run (shared or
 throttled CPUs) then biases no implementation. Reported: non-padding source+target tokens/s, the
 ratio to each peer, estimated model FLOP/s as a fraction of the dense matmul peak measured in the
-same run, peak memory.
+same run, peak memory, and on CPU the milliseconds per step of the Adam update (part of the step).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
     fused = impl != "ours-foreach"  # the trainer's Adam (transformer/losses.py), for every implementation
     optimizer = adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, 0.0, device, fused=fused)
     dtype = torch.bfloat16 if precision == "bf16" else None
-    tokens, flops, elapsed, warm_tokens, warm_elapsed = 0, 0.0, 0.0, 0, 0.0
+    tokens, flops, elapsed, warm_tokens, warm_elapsed, update_elapsed, timed = 0, 0.0, 0.0, 0, 0.0, 0.0, 0
     # On a GPU the first step of each batch shape loads and selects kernels, which here took longer
     # than the step itself: all batches are run once untimed, then again timed. On CPU the first
     # two steps warm up (allocators, oneDNN primitives); the rest are timed.
@@ -252,11 +252,15 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype is not None):
             loss = loss_fn(src, tgt_in, tgt_out)
         (loss / batch[3]).backward()
+        update_start = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        update_seconds = time.perf_counter() - update_start  # on a GPU only the kernel launches
         loss.item()  # the host sync a real training loop has once per step; the step's GPU work is done
         if i >= warmup:
             elapsed += time.perf_counter() - start
+            update_elapsed += update_seconds
+            timed += 1
             tokens += batch[3]
             flops += step_flops(batch, layers, d_model, d_ff)
         elif i >= 2:  # the warm-up after its first two steps, for comparison
@@ -267,6 +271,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_s": tokens / elapsed, "model_gflops": flops / elapsed / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "adam_ms": 1e3 * update_elapsed / timed if device.type == "cpu" else None,
     }  # fmt: skip
     if device.type == "cuda":
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -329,7 +334,7 @@ def available(impl: str) -> bool:
 
 def print_table(rows: list[dict], peaks: dict) -> None:
     print(
-        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}"
+        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}{'Adam ms':>9}"
     )
     for row in rows:
         same = {
@@ -347,8 +352,9 @@ def print_table(rows: list[dict], peaks: dict) -> None:
         vs_hf = row["tokens_per_s"] / hf_fp32["tokens_per_s"] if hf_fp32 else None
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
         memory = row.get("peak_gpu_mb", row["peak_rss_mb"])  # a GPU's memory where there is one
+        adam = "-" if row.get("adam_ms") is None else f"{row['adam_ms']:.1f}"
         print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
-              f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{memory:>9.0f}")  # fmt: skip
+              f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{memory:>9.0f}{adam:>9}")  # fmt: skip
 
 
 def ratio(value: float | None) -> str:

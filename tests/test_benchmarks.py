@@ -11,8 +11,9 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     out = tmp_path / "bench.json"
     args = [
         "presets=[small]",
-        "implementations=[ours,ours-blas,ours-logits,torch]",
+        "implementations=[ours,ours-blas,ours-logits,ours-foreach,torch]",
         "precisions=[fp32]",
+        "threads=1",
         "steps=1",
         "rounds=2",
         f"output={out}",
@@ -23,11 +24,12 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["implementation"]: r for r in report["rows"]}
-    assert set(rows) == {"ours", "ours-blas", "ours-logits", "torch"}  # oneDNN linear path off, full logits
-    assert rows["ours"]["parameters"] == rows["ours-blas"]["parameters"] == rows["ours-logits"]["parameters"]
+    assert set(rows) == {"ours", "ours-blas", "ours-logits", "ours-foreach", "torch"}
+    assert len({rows[name]["parameters"] for name in ("ours", "ours-blas", "ours-logits", "ours-foreach")}) == 1
     assert (
         abs(rows["ours"]["parameters"] - rows["torch"]["parameters"]) / rows["torch"]["parameters"] < 0.01
     )  # same size
-    assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
+    assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 and r["adam_ms"] > 0 for r in rows.values())
     assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())  # one measurement per round
     assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
+    assert report["hardware"]["threads"] == 1
