@@ -204,3 +204,22 @@ def test_the_trainers_fused_adam_updates_like_torchs_default_adam():
     for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(fused_model.output_weight, start)  # the updates did move the weights
+
+
+def test_inference_after_a_fused_adam_step_uses_the_updated_weights():
+    """Inference caches reordered weights until their version changes; the fused update must change it."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64)
+    model = Transformer(cfg)
+    optimizer = adam(model.parameters(), 1e-2, (0.9, 0.98), 1e-9, 0.0, torch.device("cpu"))
+    src, tgt = torch.randint(1, 50, (3, 7)), torch.randint(1, 50, (3, 6))
+    for _ in range(2):  # inference, as validation does, fills the caches; then one update
+        with torch.no_grad():
+            model.eval()(src, tgt)
+        optimizer.zero_grad()
+        model.train()(src, tgt).square().mean().backward()
+        optimizer.step()
+    fresh = Transformer(cfg)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(src, tgt), fresh.eval()(src, tgt))

@@ -27,15 +27,26 @@ def inverse_sqrt_lr(step: int, peak: float, warmup: int) -> float:
 SCHEDULES = ("inverse_sqrt", "linear", "cosine")
 
 
+class Adam(torch.optim.Adam):
+    """torch's Adam, whose fused kernel updates the weights without bumping their version counters.
+    Inference caches a reordered copy of each weight until its version changes (linear.PackedWeight),
+    so after a fused update this bumps them: otherwise validation would go on using the weights of
+    the first validation."""
+
+    def step(self, *args, **kwargs):  # GradScaler passes a fused optimizer its scale as keywords
+        loss = super().step(*args, **kwargs)
+        if self.defaults["fused"]:
+            torch.autograd.graph.increment_version([p for group in self.param_groups for p in group["params"]])
+        return loss
+
+
 def adam(parameters, lr: float, betas, eps: float, weight_decay: float, device: torch.device, fused: bool = True):
-    """torch's Adam. On CPU and CUDA its fused implementation updates each weight in one pass;
-    the default (foreach) one makes several passes over all the weights and their two moments,
-    which on one CPU thread took 4x as long for the 8M-parameter Multi30k model (docs/SPEED.md).
-    fused=False, or another device, gives the foreach implementation."""
+    """Adam for training. On CPU and CUDA torch's fused implementation updates each weight in one
+    pass; the default (foreach) one makes several passes over all the weights and their two
+    moments, which on one CPU thread took 4-5x as long for the 8M-parameter Multi30k model
+    (docs/SPEED.md). fused=False, or another device, gives the foreach implementation."""
     fused = fused and device.type in ("cpu", "cuda")
-    return torch.optim.Adam(
-        parameters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused or None
-    )
+    return Adam(parameters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused or None)
 
 
 def scheduled_lr(
