@@ -35,8 +35,10 @@ class Adam(torch.optim.Adam):
 
     def step(self, *args, **kwargs):  # GradScaler passes a fused optimizer its scale as keywords
         loss = super().step(*args, **kwargs)
-        if self.defaults["fused"]:
-            torch.autograd.graph.increment_version([p for group in self.param_groups for p in group["params"]])
+        # Per group: a resumed optimizer takes its groups' settings, "fused" too, from the checkpoint.
+        fused = [p for group in self.param_groups if group.get("fused") for p in group["params"]]
+        if fused:
+            torch.autograd.graph.increment_version(fused)
         return loss
 
 
