@@ -3,8 +3,10 @@ the ensemble's test scores, members that differ but share one vocabulary, reruns
 are refused without harm, and the settings it cannot run with."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -77,6 +79,43 @@ def test_a_rerun_resumes_the_members_and_other_settings_leave_them_intact(tmp_pa
     for i in (0, 1):
         assert (run_dir / f"member{i}" / "checkpoint_5.pt").read_bytes() == saved[i]
     assert [m["steps"] for m in json.loads((run_dir / "results.json").read_text())["members"]] == [10, 10]
+
+
+def start_long_run(run_dir, corpus, stderr_path) -> subprocess.Popen:
+    """A members run that would train for minutes, once both members have saved a checkpoint."""
+    with open(stderr_path, "w") as stderr:  # a file: a pipe nobody reads could fill and block
+        cmd = command(run_dir, corpus, "trainer.max_steps=100000", "trainer.max_minutes=3")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    deadline = time.monotonic() + 300
+    while not all((run_dir / f"member{i}" / "checkpoint_last.pt").is_file() for i in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, stderr_path.read_text()[-2000:]
+        time.sleep(0.05)
+    return proc
+
+
+def interrupted(run_dir) -> list[bool]:
+    return [f"interrupted by signal {int(signal.SIGTERM)}" in (run_dir / f"member{i}" / "train.log").read_text() for i in (0, 1)]  # fmt: skip
+
+
+def test_sigterm_to_the_command_stops_every_member_and_says_how_to_resume(tmp_path, tiny_corpus):
+    run_dir, stderr = tmp_path / "run", tmp_path / "stderr.txt"
+    proc = start_long_run(run_dir, tiny_corpus, stderr)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    lines = stderr.read_text().strip().splitlines()
+    assert "Traceback" not in stderr.read_text() and f"hydra.run.dir={run_dir}" in lines[-1]
+    assert interrupted(run_dir) == [True, True]  # both had saved and stopped before the command returned
+
+
+def test_members_stop_by_themselves_when_the_command_is_killed(tmp_path, tiny_corpus):
+    run_dir = tmp_path / "run"
+    proc = start_long_run(run_dir, tiny_corpus, tmp_path / "stderr.txt")
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while not all(interrupted(run_dir)):
+        assert time.monotonic() < deadline, "a member went on training after the command was killed"
+        time.sleep(0.1)
 
 
 def test_members_get_their_own_seed_and_a_share_of_the_threads():

@@ -16,7 +16,10 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from .config import exit_on_user_error
 from .data import tokenize
 from .decoding import translate_corpus
 from .errors import ConfigError, TrainingStopped
+from .resume import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None
     from .experiment import run
     from .tokenizer import Tokenizer
 
+    stop_when_orphaned(os.getppid())
     run_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"[%(asctime)s] member{index}: %(message)s", "%H:%M:%S")
     handlers = [logging.FileHandler(run_dir / "train.log"), logging.StreamHandler(sys.stdout)]
@@ -55,7 +60,42 @@ def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None
         handler.setFormatter(fmt)
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     with exit_on_user_error():
-        run(cfg, run_dir, tests=False, tokenizer=Tokenizer(tokenizer_bytes))
+        try:
+            run(cfg, run_dir, tests=False, tokenizer=Tokenizer(tokenizer_bytes))
+        except TrainingStopped as e:
+            if e.exit_code <= 128:
+                raise
+            # Interrupted: logged without the resume hint for this member alone; the parent gives
+            # the one for the whole command.
+            log.info("%s", str(e).partition(". Resume with")[0])
+            sys.exit(e.exit_code)
+
+
+def stop_when_orphaned(parent: int, every: float = 1.0) -> None:
+    """Send this member SIGTERM (it saves and stops at its next step, as GracefulStop does) once
+    the process that started it is gone, say killed with SIGKILL: a member must not go on training
+    alone, into a directory that a rerun of the command would resume."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def join_forwarding_signals(processes: list, stop: GracefulStop) -> None:
+    """Wait for every member, passing a SIGTERM or SIGINT sent to this process on to each of them
+    (once), so that each saves its checkpoint and stops at its next step."""
+    forwarded = False
+    while any(p.is_alive() for p in processes):
+        if stop.requested and not forwarded:
+            for process in processes:
+                if process.is_alive():
+                    os.kill(process.pid, stop.signum)
+            forwarded = True
+        for process in processes:
+            process.join(timeout=0.2)
 
 
 def shared_tokenizer(cfg, run_dir: Path):
@@ -82,10 +122,16 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
         for i, (c, d) in enumerate(zip(configs, dirs))
     ]
     log.info("training %d members at once, %d thread(s) each", len(processes), configs[0].trainer.threads)
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join()
+    with GracefulStop() as stop:
+        for process in processes:
+            process.start()
+        join_forwarding_signals(processes, stop)
+    if stop.requested:
+        raise TrainingStopped(
+            f"interrupted by signal {int(stop.signum)}; every member saved its checkpoint_last.pt in {run_dir}/member<i>. "
+            f"Resume with: python train.py <same overrides> hydra.run.dir={run_dir}",
+            exit_code=128 + int(stop.signum),
+        )
     failed = [p.name for p in processes if p.exitcode != 0]
     if failed:
         raise TrainingStopped(f"error: {', '.join(failed)} stopped without finishing (see its train.log)", 1)
