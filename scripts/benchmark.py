@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from transformer.benchmarking import hardware, marian_model, timed
+from transformer.benchmarking import hardware, marian_model, matmul_peak
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device
@@ -195,30 +195,6 @@ BUILDERS = {
 # --- Measuring ----------------------------------------------------------------------------------
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
-    """Dense matmul GFLOP/s of this device at this dtype, on random data. On CPU (n = 2048): the
-    faster of torch's `a @ b` (BLAS for fp32, oneDNN for bf16) and oneDNN's product, which
-    transformer/linear.py uses for fp32. On a GPU (n = 8192): cuBLAS, fp32 without TF32 (torch's
-    default, and what fp32 training here uses)."""
-    n = 8192 if device.type == "cuda" else 2048
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    products = [lambda: a @ b]
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
-    best = 0.0
-    for product in products:
-        for _ in range(3 if device.type == "cuda" else 1):  # warm-up: library load, clocks ramping up
-            product()
-        seconds, _ = timed(partial(repeat, product, repeats), device)
-        best = max(best, 2 * n**3 * repeats / seconds / 1e9)
-    return best
-
-
-def repeat(fn, times: int) -> None:
-    for _ in range(times):
-        fn()
-
-
 def step_flops(batch, layers: int, d_model: int, d_ff: int) -> float:
     """Matmul FLOPs of one training step on the padded batch (backward = 2x forward), counting
     projections, feed-forward, attention scores and mixing, and the output layer."""
@@ -241,7 +217,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
     fused = impl != "ours-foreach"  # the trainer's Adam (transformer/losses.py), for every implementation
     optimizer = adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, 0.0, device, fused=fused)
     dtype = torch.bfloat16 if precision == "bf16" else None
-    tokens, flops, elapsed, warm_tokens, warm_elapsed, update_elapsed, timed = 0, 0.0, 0.0, 0, 0.0, 0.0, 0
+    tokens, flops, elapsed, warm_tokens, warm_elapsed, update_elapsed, timed_steps = 0, 0.0, 0.0, 0, 0.0, 0.0, 0
     # On a GPU the first step of each batch shape loads and selects kernels, which here took longer
     # than the step itself: all batches are run once untimed, then again timed. On CPU the first
     # two steps warm up (allocators, oneDNN primitives); the rest are timed.
@@ -260,7 +236,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
         if i >= warmup:
             elapsed += time.perf_counter() - start
             update_elapsed += update_seconds
-            timed += 1
+            timed_steps += 1
             tokens += batch[3]
             flops += step_flops(batch, layers, d_model, d_ff)
         elif i >= 2:  # the warm-up after its first two steps, for comparison
@@ -271,7 +247,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
         "parameters": sum(p.numel() for p in model.parameters()),
         "tokens_per_s": tokens / elapsed, "model_gflops": flops / elapsed / 1e9,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "adam_ms": 1e3 * update_elapsed / timed if device.type == "cpu" else None,
+        "adam_ms": 1e3 * update_elapsed / timed_steps if device.type == "cpu" else None,
     }  # fmt: skip
     if device.type == "cuda":
         row["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20

@@ -1,9 +1,10 @@
-"""Helpers shared by the benchmark scripts: what hardware we ran on, and timing."""
+"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, and timing."""
 
 from __future__ import annotations
 
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,30 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, result
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
+    """Dense matmul GFLOP/s of this device at this dtype, on random data. On CPU (n = 2048): the
+    faster of torch's `a @ b` (BLAS for fp32, oneDNN for bf16) and oneDNN's product, which
+    transformer/linear.py uses for fp32. On a GPU (n = 8192): cuBLAS, fp32 without TF32 (torch's
+    default, and what fp32 training here uses)."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    products = [lambda: a @ b]
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    best = 0.0
+    for product in products:
+        for _ in range(3 if device.type == "cuda" else 1):  # warm-up: library load, clocks ramping up
+            product()
+        seconds, _ = timed(partial(repeat, product, repeats), device)
+        best = max(best, 2 * n**3 * repeats / seconds / 1e9)
+    return best
+
+
+def repeat(fn, times: int) -> None:
+    for _ in range(times):
+        fn()
 
 
 def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
