@@ -102,8 +102,8 @@ def test_sigterm_to_the_command_stops_every_member_and_says_how_to_resume(tmp_pa
     proc = start_long_run(run_dir, tiny_corpus, stderr)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
-    lines = stderr.read_text().strip().splitlines()
-    assert "Traceback" not in stderr.read_text() and f"hydra.run.dir={run_dir}" in lines[-1]
+    text = stderr.read_text()
+    assert "Traceback" not in text and f"hydra.run.dir={run_dir}" in text.strip().splitlines()[-1]
     assert interrupted(run_dir) == [True, True]  # both had saved and stopped before the command returned
 
 

@@ -8,8 +8,9 @@ class ConfigError(Exception):
 class TrainingStopped(Exception):
     """Training ended early on purpose (a signal) or because it cannot go on (non-finite values).
 
-    `exit_code` is what the entry point exits with; the message says what happened and how to go on."""
+    `exit_code` is what the entry point exits with; the message says what happened and, with
+    `resume` (the command that continues the run), how to go on."""
 
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
+    def __init__(self, message: str, exit_code: int, resume: str | None = None):
+        super().__init__(message if resume is None else f"{message}. Resume with: {resume}")
+        self.what, self.exit_code = message, exit_code

@@ -65,9 +65,9 @@ def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None
         except TrainingStopped as e:
             if e.exit_code <= 128:
                 raise
-            # Interrupted: logged without the resume hint for this member alone; the parent gives
-            # the one for the whole command.
-            log.info("%s", str(e).partition(". Resume with")[0])
+            # Interrupted: logged without the resume command for this member alone; the parent
+            # gives the one for the whole command.
+            log.info("%s", e.what)
             sys.exit(e.exit_code)
 
 
@@ -128,9 +128,9 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
         join_forwarding_signals(processes, stop)
     if stop.requested:
         raise TrainingStopped(
-            f"interrupted by signal {int(stop.signum)}; every member saved its checkpoint_last.pt in {run_dir}/member<i>. "
-            f"Resume with: python train.py <same overrides> hydra.run.dir={run_dir}",
+            f"interrupted by signal {int(stop.signum)}; every member saved its checkpoint_last.pt in {run_dir}/member<i>",
             exit_code=128 + int(stop.signum),
+            resume=f"python train.py <same overrides> hydra.run.dir={run_dir}",
         )
     failed = [p.name for p in processes if p.exitcode != 0]
     if failed:

@@ -349,9 +349,9 @@ class Trainer:
                 self.world.barrier()
                 signum = stop.signum or signal.SIGTERM  # a rank without the signal stops with the others
                 raise TrainingStopped(
-                    f"interrupted by signal {int(signum)} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}. "
-                    f"Resume with: python train.py <same overrides> hydra.run.dir={self.run_dir}",
+                    f"interrupted by signal {int(signum)} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}",
                     exit_code=128 + int(signum),
+                    resume=f"python train.py <same overrides> hydra.run.dir={self.run_dir}",
                 )
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
         if self.world.distributed:
