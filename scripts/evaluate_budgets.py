@@ -10,7 +10,8 @@ run's decoding settings (beam 5 by default):
   - avgN: the average of the last N of their numbered checkpoints.
 Both are chosen from the validation split and the budget alone. The learning-rate schedule does
 not depend on the budget, so this equals a run with trainer.max_minutes=M, except that such a
-run would also validate once more at the step where the budget ends. The run must keep its
+run would also validate once more at the step where the budget ends (unless that falls within
+a quarter of trainer.eval_every after a validation). The run must keep its
 numbered checkpoints (trainer.keep_last large enough).
 
 Writes RUN/budgets.json and prints one line per budget and model.

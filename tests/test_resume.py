@@ -164,3 +164,19 @@ def test_non_finite_losses_skip_updates_then_stop(tmp_path, tiny_corpus):
     assert result.returncode == 3, result.stderr[-2000:]
     assert "consecutive steps with non-finite loss or gradients" in result.stderr and "Traceback" not in result.stderr
     assert "update skipped" in result.stdout
+
+
+def test_a_stop_just_after_a_validation_adds_no_near_copy_of_its_checkpoint(tmp_path, tiny_corpus):
+    """The averaged checkpoints stay trainer.eval_every apart: a stop within a quarter of it after a
+    validation saves only checkpoint_last.pt, and a later stop validates and numbers its checkpoint."""
+    for steps, numbered in ((21, [10, 20]), (13, [10, 13])):
+        run_dir = tmp_path / f"run{steps}"
+        result = subprocess.run(
+            command(run_dir, tiny_corpus, f"trainer.max_steps={steps}"), cwd=ROOT, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert [int(p.stem.split("_")[1]) for p in checkpoint.numbered(run_dir)] == numbered
+        assert torch.load(run_dir / "checkpoint_last.pt", weights_only=False)["step"] == steps
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert max(losses(run_dir)) == steps
+        assert [r["step"] for r in records if "valid_loss" in r] == numbered

@@ -30,7 +30,7 @@ class TrainerConfig:
     max_epochs: int = 0  # 0: no limit
     max_minutes: float = 0.0  # wall-clock budget for the training loop; 0: no limit
     patience: int = 0  # stop after this many validations without a better score; 0: never
-    eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint)
+    eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint); also one at the end, unless within a quarter of this after the last
     keep_last: int = 5  # numbered checkpoints kept (weights only, for averaging); 0 keeps none
     average_last: int = 0  # after training, also evaluate the average of the last N numbered checkpoints
     eval_bleu: bool = True  # greedy-decode the validation split and select the best checkpoint by BLEU

@@ -319,8 +319,7 @@ class Trainer:
         return None
 
     def fit(self) -> None:
-        started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
-        self.started = started
+        self.started = started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
         stream, window = self.batch_stream(), Throughput()
         reason, interrupted = self.stop_reason(started), False
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
@@ -340,8 +339,11 @@ class Trainer:
                 if self.state.step % self.tcfg.log_every == 0:
                     self.log_progress(window)
                 reason, interrupted = self.world.agree(self.stop_reason(started), stop.requested, self.device)
-                if self.state.step % self.tcfg.eval_every == 0 or reason is not None:
+                if self.state.step % self.tcfg.eval_every == 0 or (reason and self.far_from_last_validation()):
                     reason = self.validate_and_save(started) or reason
+                elif reason and self.world.is_main:  # no near-copy of the last numbered checkpoint
+                    self.state.train_seconds = time.monotonic() - started
+                    self.save("checkpoint_last.pt")
             self.state.train_seconds = time.monotonic() - started
             if interrupted:
                 if self.world.is_main:
@@ -356,6 +358,12 @@ class Trainer:
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
         if self.world.distributed:
             self.world.check_identical(self.model)
+
+    def far_from_last_validation(self) -> bool:
+        """Whether a stop between validations validates once more. Not within a quarter of
+        trainer.eval_every after a validation: the averaged checkpoints stay that far apart."""
+        every = self.tcfg.eval_every
+        return self.state.step < every or self.state.step % every >= every / 4
 
     def validate_and_save(self, started: float) -> str | None:
         """Validate, save checkpoints; returns a stop reason when early stopping says so.
