@@ -130,7 +130,7 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
         raise TrainingStopped(
             f"interrupted by signal {int(stop.signum)}; every member saved its checkpoint_last.pt in {run_dir}/member<i>",
             exit_code=128 + int(stop.signum),
-            resume=f"python train.py <same overrides> hydra.run.dir={run_dir}",
+            resume_dir=run_dir,
         )
     failed = [p.name for p in processes if p.exitcode != 0]
     if failed:

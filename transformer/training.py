@@ -353,7 +353,7 @@ class Trainer:
                 raise TrainingStopped(
                     f"interrupted by signal {int(signum)} at step {self.state.step}; saved {self.run_dir / 'checkpoint_last.pt'}",
                     exit_code=128 + int(signum),
-                    resume=f"python train.py <same overrides> hydra.run.dir={self.run_dir}",
+                    resume_dir=self.run_dir,
                 )
         log.info("training stopped at step %d (epoch %d): %s", self.state.step, self.state.epoch, reason)
         if self.world.distributed:
