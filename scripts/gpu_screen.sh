@@ -9,9 +9,10 @@
 #
 # Each argument is one variant's Hydra overrides ("" is the recipe itself); EXPERIMENT names the
 # recipe (default multi30k_en_de). TESTS=1 also decodes the recipe's test splits, for a report
-# made after the choice (the summary then prints them beside validation, which alone chooses). Results go to $OUT (default outputs/gpu_screen): summary.txt and
-# the variants' logs and results.json in screen.tgz. Wheels of packages the machine lacks may be in
-# .whl/ (scripts/gpu_wheels.sh).
+# made after the choice (the summary then prints them beside validation, which alone chooses).
+# Results go to $OUT (default outputs/gpu_screen): summary.txt and the variants' logs and
+# results.json in screen.tgz. Wheels of packages the machine lacks may be in .whl/
+# (scripts/gpu_wheels.sh).
 #
 # Measured on an H100 (docs/RESULTS.md): a member of the small en-de recipe trains about 6 steps/s
 # there, held back by its CPU side (11% GPU use in the one reading with two), so 4,540 steps take
@@ -60,8 +61,9 @@ for i in range(1, n + 1):
     r = json.loads((run / "results.json").read_text())
     if not members:  # one model: its own summary
         average = r.get("average", {}).get("valid_bleu", float("nan"))
+        averaged_tests = "".join(tests(r, k) for k in r if k.startswith("test_avg"))
         print(f"v{i}: {r['steps']} steps, best greedy val {r['valid_best']:.2f} at step {r['best_step']}, "
-              f"average of the last checkpoints {average:.2f}" + tests(r) + "".join(tests(r, k) for k in r if k.startswith("test_avg")))
+              f"average of the last checkpoints {average:.2f}" + tests(r) + averaged_tests)
         continue
     steps = [m.get("steps") for m in members]
     best = [m.get("valid_best") for m in members]
