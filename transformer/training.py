@@ -321,7 +321,7 @@ class Trainer:
     def fit(self) -> None:
         self.started = started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
         stream, window = self.batch_stream(), Throughput()
-        reason, interrupted = self.stop_reason(started), False
+        reason, interrupted, validated = self.stop_reason(started), False, True
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
             while reason is None and not interrupted:
                 batches = [next(stream) for _ in range(self.tcfg.accumulate)]
@@ -339,15 +339,14 @@ class Trainer:
                 if self.state.step % self.tcfg.log_every == 0:
                     self.log_progress(window)
                 reason, interrupted = self.world.agree(self.stop_reason(started), stop.requested, self.device)
-                if self.state.step % self.tcfg.eval_every == 0 or (reason and self.far_from_last_validation()):
+                validated = self.validates_now(stopping=reason is not None)
+                if validated:
                     reason = self.validate_and_save(started) or reason
-                elif reason and self.world.is_main:  # no near-copy of the last numbered checkpoint
-                    self.state.train_seconds = time.monotonic() - started
-                    self.save("checkpoint_last.pt")
             self.state.train_seconds = time.monotonic() - started
+            # A signal, or a stop too soon after a validation to number a near-copy of its checkpoint
+            if self.world.is_main and (interrupted or (reason and not validated)):
+                self.save("checkpoint_last.pt")
             if interrupted:
-                if self.world.is_main:
-                    self.save("checkpoint_last.pt")
                 self.world.barrier()
                 signum = stop.signum or signal.SIGTERM  # a rank without the signal stops with the others
                 raise TrainingStopped(
@@ -359,11 +358,11 @@ class Trainer:
         if self.world.distributed:
             self.world.check_identical(self.model)
 
-    def far_from_last_validation(self) -> bool:
-        """Whether a stop between validations validates once more. Not within a quarter of
-        trainer.eval_every after a validation: the averaged checkpoints stay that far apart."""
-        every = self.tcfg.eval_every
-        return self.state.step < every or self.state.step % every >= every / 4
+    def validates_now(self, stopping: bool) -> bool:
+        """Every trainer.eval_every steps, and at a stop between them unless it comes within a
+        quarter of that after a validation: the averaged checkpoints stay that far apart."""
+        step, every = self.state.step, self.tcfg.eval_every
+        return step % every == 0 or (stopping and (step < every or step % every >= every / 4))
 
     def validate_and_save(self, started: float) -> str | None:
         """Validate, save checkpoints; returns a stop reason when early stopping says so.
