@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from transformer.data import collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul
-from transformer.losses import adam, inverse_sqrt_lr, label_smoothed_loss, scheduled_lr
+from transformer.losses import adam, inverse_sqrt_lr, label_smoothed_loss, scheduled_lr, trainer_adam
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
+from transformer.trainer_config import TrainerConfig
 
 
 def test_schedule_is_the_papers_formula():
@@ -204,6 +205,24 @@ def test_the_trainers_fused_adam_updates_like_torchs_default_adam():
     for (name, a), b in zip(fused_model.named_parameters(), foreach_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert not torch.allclose(fused_model.output_weight, start)  # the updates did move the weights
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decoupled_weight_decay_shrinks_the_weights_apart_from_the_gradient(fused):
+    """With a zero gradient, AdamW's first step multiplies each weight by 1 - lr * weight_decay; the
+    L2 form puts weight_decay * w into the gradient, which Adam rescales to a step of lr."""
+    shrunk = {}
+    for decoupled in (True, False):
+        weight = torch.nn.Parameter(torch.full((3,), 2.0))
+        tcfg = TrainerConfig(lr=0.1, weight_decay=0.5, decoupled_weight_decay=decoupled)
+        optimizer = trainer_adam([weight], tcfg, torch.device("cpu"))
+        if not fused:
+            optimizer = adam([weight], 0.1, tcfg.betas, tcfg.eps, 0.5, torch.device("cpu"), False, decoupled)
+        weight.grad = torch.zeros(3)
+        optimizer.step()
+        shrunk[decoupled] = weight.detach()
+    torch.testing.assert_close(shrunk[True], torch.full((3,), 2.0 * (1 - 0.1 * 0.5)))
+    torch.testing.assert_close(shrunk[False], torch.full((3,), 2.0 - 0.1))
 
 
 def test_inference_after_a_fused_adam_step_uses_the_updated_weights():

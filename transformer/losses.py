@@ -42,13 +42,41 @@ class Adam(torch.optim.Adam):
         return loss
 
 
-def adam(parameters, lr: float, betas, eps: float, weight_decay: float, device: torch.device, fused: bool = True):
+def adam(
+    parameters,
+    lr: float,
+    betas,
+    eps: float,
+    weight_decay: float,
+    device: torch.device,
+    fused: bool = True,
+    decoupled: bool = False,
+):
     """Adam for training. On CPU and CUDA torch's fused implementation updates each weight in one
     pass; the default (foreach) one makes several passes over all the weights and their two
     moments, which on one CPU thread took 4-5x as long for the 8M-parameter Multi30k model
-    (docs/SPEED.md). fused=False, or another device, gives the foreach implementation."""
+    (docs/SPEED.md). fused=False, or another device, gives the foreach implementation.
+
+    weight_decay is an L2 term added to the gradient (and so rescaled by Adam like the rest of it)
+    unless decoupled=True, which shrinks every weight by lr * weight_decay each step on its own:
+    AdamW (Loshchilov and Hutter, 2019)."""
     fused = fused and device.type in ("cpu", "cuda")
-    return Adam(parameters, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused or None)
+    return Adam(
+        parameters,
+        lr=lr,
+        betas=tuple(betas),
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled,
+        fused=fused or None,
+    )
+
+
+def trainer_adam(parameters, tcfg, device: torch.device) -> Adam:
+    """The optimizer a TrainerConfig asks for."""
+    return adam(
+        parameters, tcfg.lr, tcfg.betas, tcfg.eps, tcfg.weight_decay, device, decoupled=tcfg.decoupled_weight_decay
+    )
 
 
 def scheduled_lr(

@@ -23,6 +23,7 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-9
     weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False  # true: AdamW, each step shrinks the weights by lr * weight_decay
     label_smoothing: float = 0.1
     clip_norm: float = 0.0  # max gradient norm; 0 disables clipping
     accumulate: int = 1  # batches per optimizer step (gradient accumulation)

@@ -21,7 +21,7 @@ from .data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
 from .devices import autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
-from .losses import adam, scheduled_lr, training_objective
+from .losses import scheduled_lr, trainer_adam, training_objective
 from .model import Transformer
 from .monitoring import Monitor, Throughput
 from .plotting import attention_figures
@@ -66,7 +66,7 @@ class Trainer:
             self.forward_model = torch.compile(self.forward_model, dynamic=True)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         t = self.tcfg
-        self.optimizer = adam(model.parameters(), t.lr, t.betas, t.eps, t.weight_decay, self.device)
+        self.optimizer = trainer_adam(model.parameters(), t, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.lengths = train.lengths()
