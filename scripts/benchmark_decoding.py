@@ -191,7 +191,7 @@ def main(argv: list[str]) -> None:
     device = pick_device(cfg.device)
     model, tokenizer, model_name = model_and_tokenizer(cfg, device)
     test = load_split(DataConfig(dir=cfg.data_dir), "test_2016_flickr")
-    sources = tokenizer.encode(list(test["src"])[: cfg.sentences])
+    sources = tokenizer.source.encode(list(test["src"])[: cfg.sentences])
     results = {
         "hardware": hardware(),
         "model": model_name,
@@ -240,7 +240,7 @@ def main(argv: list[str]) -> None:
 
 
 def sources_for_peers(cfg: BenchConfig, tokenizer, test) -> list[list[int]]:
-    return tokenizer.encode(list(test["src"])[: cfg.peer_sentences])
+    return tokenizer.source.encode(list(test["src"])[: cfg.peer_sentences])
 
 
 if __name__ == "__main__":

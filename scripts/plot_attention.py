@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
         from transformer.plotting import attention_figures, plt
 
         model, tokenizer, _ = load_model(Path(cfg.checkpoint), cfg.device)
-        src_ids = tokenizer.encode([cfg.sentence])[0]
+        src_ids = tokenizer.source.encode([cfg.sentence])[0]
         if cfg.target is None:
             tgt_ids = translate_ids(model, [src_ids], tokenizer, DecodeConfig(strategy="greedy"), cfg.device)[0][
                 0

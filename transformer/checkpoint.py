@@ -29,12 +29,26 @@ def save(path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dic
         "format_version": FORMAT_VERSION,
         "model_config": asdict(model.cfg),
         "model": model.state_dict(),
-        "tokenizer": torch.frombuffer(bytearray(tokenizer.model_bytes), dtype=torch.uint8),
+        "tokenizer": as_tensor(tokenizer.model_bytes),
         "train_config": train_config,
         "step": step,
         **extra,
     }
+    if tokenizer.source_bytes is not None:  # a separate source vocabulary
+        payload["source_tokenizer"] = as_tensor(tokenizer.source_bytes)
     write(path, payload)
+
+
+def as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def tokenizer_of(payload: dict) -> Tokenizer:
+    """The tokenizer saved in a checkpoint's payload (with its separate source model, if any)."""
+    source = payload.get("source_tokenizer")
+    return Tokenizer(
+        payload["tokenizer"].cpu().numpy().tobytes(), None if source is None else source.cpu().numpy().tobytes()
+    )
 
 
 def write(path: Path, payload: dict) -> None:
@@ -102,5 +116,4 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transfor
     payload = load(path, device)
     model = Transformer(ModelConfig(**payload["model_config"])).to(device)
     model.load_state_dict(payload["model"])
-    tokenizer = Tokenizer(payload["tokenizer"].cpu().numpy().tobytes())
-    return model.eval(), tokenizer, payload
+    return model.eval(), tokenizer_of(payload), payload

@@ -41,7 +41,7 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
         return device, model, tokenizer, payload
     others = [load_model(Path(path), device) for path in ensemble]
     for path, (_, other_tokenizer, _) in zip(ensemble, others):
-        if other_tokenizer.model_bytes != tokenizer.model_bytes:
+        if not other_tokenizer.same_as(tokenizer):
             raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
     return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
 

@@ -36,7 +36,8 @@ class DataConfig:
     train_split: str = "train"
     valid_split: str = "val"
     test_splits: list[str] = field(default_factory=lambda: ["test_2016_flickr", "test_2017_flickr"])
-    vocab_size: int = 8000  # joint SentencePiece vocabulary for both languages
+    vocab_size: int = 8000  # pieces of the SentencePiece vocabulary (of each one, with joint_vocab=false)
+    joint_vocab: bool = True  # one vocabulary and embedding for both languages; false: one per language
     spm_model_type: str = "unigram"  # or "bpe", "char", "word"
     max_tokens: int = 4096  # padded tokens per batch and side
     max_len: int = 256  # training pairs with a longer side (in tokens) are dropped
@@ -214,23 +215,24 @@ def tokenize_mapped(ds: datasets.Dataset, tokenizer) -> MappedCorpus:
     """Tokenize an Arrow-backed split into new Arrow files (text stripped, as read_lines does)."""
 
     def encode(batch):
-        src = tokenizer.encode([t.strip() for t in batch["src"]])
+        src = tokenizer.source.encode([t.strip() for t in batch["src"]])
         tgt = tokenizer.encode([t.strip() for t in batch["tgt"]])
         return {"src_ids": src, "tgt_ids": tgt, "length": [max(len(s), len(t)) + 1 for s, t in zip(src, tgt)]}
 
     return MappedCorpus(ds.map(encode, batched=True, batch_size=10_000, remove_columns=ds.column_names))
 
 
-def training_text(ds: datasets.Dataset) -> Iterable[str]:
-    """Both sides of a split, batch by batch, for SentencePiece (which samples data.spm_sample)."""
+def training_text(ds: datasets.Dataset, columns=("src", "tgt")) -> Iterable[str]:
+    """The sides of a split in `columns`, batch by batch, for SentencePiece (which samples
+    data.spm_sample)."""
     for batch in ds.iter(batch_size=10_000):
-        yield from (t.strip() for t in batch["src"])
-        yield from (t.strip() for t in batch["tgt"])
+        for column in columns:
+            yield from (t.strip() for t in batch[column])
 
 
 def tokenize(ds: datasets.Dataset, tokenizer) -> TokenizedCorpus:
     ids = ds.map(
-        lambda batch: {"src_ids": tokenizer.encode(batch["src"]), "tgt_ids": tokenizer.encode(batch["tgt"])},
+        lambda batch: {"src_ids": tokenizer.source.encode(batch["src"]), "tgt_ids": tokenizer.encode(batch["tgt"])},
         batched=True,
         batch_size=2048,
     )
@@ -276,20 +278,22 @@ class SubwordSampler:
 
     def __init__(self, corpus: TokenizedCorpus, tokenizer, cfg: DataConfig, chunk: int = 10_000):
         self.corpus, self.max_len = corpus, cfg.max_len
-        texts = corpus.src_text + corpus.tgt_text
-        scores = tokenizer.piece_scores()
-        ids, alt_lengths, alt_counts = [], [], []
-        for start in range(0, len(texts), chunk):  # n-best lists as flat arrays: lists of lists would take GBs
-            for alternatives in tokenizer.nbest(texts[start : start + chunk], cfg.subword_nbest):
-                alt_counts.append(len(alternatives))
-                alt_lengths.extend(len(a) for a in alternatives)
-                ids.append(np.fromiter((i for a in alternatives for i in a), dtype=np.int32))
+        ids, piece_scores, alt_lengths, alt_counts = [], [], [], []
+        for texts, side in ((corpus.src_text, tokenizer.source), (corpus.tgt_text, tokenizer)):
+            scores = side.piece_scores()
+            for start in range(0, len(texts), chunk):  # n-best lists as flat arrays: lists of lists would take GBs
+                for alternatives in side.nbest(texts[start : start + chunk], cfg.subword_nbest):
+                    alt_counts.append(len(alternatives))
+                    alt_lengths.extend(len(a) for a in alternatives)
+                    ids.append(np.fromiter((i for a in alternatives for i in a), dtype=np.int32))
+                    piece_scores.append(scores[ids[-1]])
         self.ids = np.concatenate(ids)
         # Alternative k is ids[alt_start[k]:alt_start[k + 1]]; sentence j owns alternatives
         # first_alt[j] to first_alt[j + 1] - 1 (sources first, then targets).
         self.alt_start = np.concatenate([[0], np.cumsum(alt_lengths)])
         self.first_alt = np.concatenate([[0], np.cumsum(alt_counts)])
-        log_prob = np.add.reduceat(scores[self.ids], self.alt_start[:-1]) if len(self.ids) else np.zeros(0)
+        scores = np.concatenate(piece_scores)  # each id's log-probability in its side's model
+        log_prob = np.add.reduceat(scores, self.alt_start[:-1]) if len(self.ids) else np.zeros(0)
         self.logits = cfg.subword_alpha * log_prob
         self.sentence_of_alt = np.repeat(np.arange(len(alt_counts)), alt_counts)
 

@@ -66,7 +66,8 @@ class Ensemble:
     def __init__(self, models: list[Transformer]):
         first = models[0].cfg
         for model in models[1:]:
-            if (model.cfg.vocab_size, model.cfg.pad_id) != (first.vocab_size, first.pad_id):
+            vocabularies = (model.cfg.vocab_size, model.cfg.src_vocab_size, model.cfg.pad_id)
+            if vocabularies != (first.vocab_size, first.src_vocab_size, first.pad_id):
                 raise ValueError("ensembled models must share one vocabulary")
         self.models = models
         self.cfg = dataclasses.replace(first, max_positions=min(m.cfg.max_positions for m in models))

@@ -340,7 +340,7 @@ def translate_ids(
 
 def encode_sources(texts: list[str], tokenizer, max_tokens: int, source_name: str) -> list[list[int]]:
     """Token ids of each text; a text longer than max_tokens is truncated with a warning naming its line."""
-    ids = tokenizer.encode(texts)
+    ids = tokenizer.source.encode(texts)
     for number, sentence in enumerate(ids, 1):
         if len(sentence) > max_tokens:
             log.warning("%s:%d: %d tokens, truncated to %d", source_name, number, len(sentence), max_tokens)

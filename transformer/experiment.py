@@ -46,27 +46,33 @@ def seed_everything(seed: int) -> None:
 
 
 def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
-    """The joint SentencePiece model of both sides of the training split, saved as spm.model
-    (a resumed run takes it from its checkpoint instead)."""
-    path = run_dir / "spm.model"
+    """The joint SentencePiece model of both sides of the training split, or with
+    data.joint_vocab=false one model per side, saved as spm.model (and spm.src.model for a separate
+    source side); a resumed run takes them from its checkpoint instead."""
     started = time.monotonic()
-    if cfg.data.streaming:
-        tokenizer = Tokenizer.train(
-            training_text(train_ds), cfg.data.vocab_size, cfg.data.spm_model_type, sample=cfg.data.spm_sample
-        )
-    else:
-        tokenizer = Tokenizer.train(
-            list(train_ds["src"]) + list(train_ds["tgt"]), cfg.data.vocab_size, cfg.data.spm_model_type
-        )
-    tokenizer.save(path)
-    log.info(
-        "trained a %d-piece %s tokenizer in %.1fs", len(tokenizer), cfg.data.spm_model_type, time.monotonic() - started
-    )
+    sides = [("src", "tgt")] if cfg.data.joint_vocab else [("tgt",), ("src",)]
+    models = []
+    for columns in sides:
+        if cfg.data.streaming:
+            text = training_text(train_ds, columns)
+            models.append(Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type, cfg.data.spm_sample))
+        else:
+            text = [line for column in columns for line in train_ds[column]]
+            models.append(Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type))
+    tokenizer = Tokenizer(models[0].model_bytes, None if cfg.data.joint_vocab else models[1].model_bytes)
+    tokenizer.save(run_dir / "spm.model")
+    what = f"a {len(tokenizer)}-piece {cfg.data.spm_model_type} tokenizer"
+    if not tokenizer.joint:
+        what = f"{cfg.data.spm_model_type} tokenizers of {len(tokenizer.source)} (source) and {len(tokenizer)} pieces"
+    log.info("trained %s in %.1fs", what, time.monotonic() - started)
     return tokenizer
 
 
 def build_model(cfg, tokenizer: Tokenizer, device: torch.device) -> Transformer:
-    model_cfg = dataclasses.replace(cfg.model, vocab_size=len(tokenizer), pad_id=tokenizer.pad_id)
+    src_vocab = None if tokenizer.joint else len(tokenizer.source)
+    model_cfg = dataclasses.replace(
+        cfg.model, vocab_size=len(tokenizer), src_vocab_size=src_vocab, pad_id=tokenizer.pad_id
+    )
     model = Transformer(model_cfg).to(device)
     log.info("model: %s parameters, %s", f"{count_parameters(model):,}", model_cfg)
     return model
@@ -220,7 +226,7 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: To
     if world.is_main:
         try:
             resumed = checkpoint_to_resume(cfg, run_dir)
-            saved_tokenizer = Tokenizer(resumed["tokenizer"].numpy().tobytes()) if resumed else tokenizer
+            saved_tokenizer = checkpoint.tokenizer_of(resumed) if resumed else tokenizer
             tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
         except USER_ERRORS as e:
             failure = e

@@ -47,7 +47,7 @@ def member_configs(cfg) -> list:
     ]
 
 
-def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None:
+def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: tuple[bytes, bytes | None]) -> None:
     """A member's process: its log goes to its own train.log and, prefixed, to the parent's stdout."""
     from .experiment import run
     from .tokenizer import Tokenizer
@@ -61,7 +61,7 @@ def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: bytes) -> None
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     with exit_on_user_error():
         try:
-            run(cfg, run_dir, tests=False, tokenizer=Tokenizer(tokenizer_bytes))
+            run(cfg, run_dir, tests=False, tokenizer=Tokenizer(*tokenizer_bytes))
         except TrainingStopped as e:
             if e.exit_code <= 128:
                 raise
@@ -118,7 +118,9 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no copied thread pools
     dirs = [run_dir / f"member{i}" for i in range(cfg.trainer.members)]
     processes = [
-        context.Process(target=train_member, args=(c, d, i, tokenizer.model_bytes), name=f"member{i}")
+        context.Process(
+            target=train_member, args=(c, d, i, (tokenizer.model_bytes, tokenizer.source_bytes)), name=f"member{i}"
+        )
         for i, (c, d) in enumerate(zip(configs, dirs))
     ]
     log.info("training %d members at once, %d thread(s) each", len(processes), configs[0].trainer.threads)

@@ -40,7 +40,8 @@ ACTIVATIONS = ("relu", "gelu", "swiglu")
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 8000  # joint source/target vocabulary; train.py sets it from the tokenizer
+    vocab_size: int = 8000  # the target (or joint) vocabulary; train.py sets it from the tokenizer
+    src_vocab_size: Optional[int] = None  # None: the source shares the target's vocabulary and embedding
     pad_id: int = 0
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
@@ -228,7 +229,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id)  # shared by both sides
+        self.embed = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.pad_id)  # both sides', unless:
+        self.src_embed = None  # the source's own embedding, for a separate source vocabulary
+        if cfg.src_vocab_size is not None:
+            self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model, cfg.pad_id)
         rotary = None
         if cfg.positional == "rope":
             self.positions, rotary = NoPositions(), Rotary(cfg.head_size, cfg.max_positions)
@@ -253,8 +257,9 @@ class Transformer(nn.Module):
             return checkpoint(layer, *args, use_reentrant=False)
         return layer(*args)
 
-    def embed_tokens(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        x = word_dropout(self.embed(tokens), self.cfg.word_dropout, self.training)
+    def embed_tokens(self, tokens: Tensor, offset: int = 0, source: bool = False) -> Tensor:
+        embed = self.src_embed if source and self.src_embed is not None else self.embed
+        x = word_dropout(embed(tokens), self.cfg.word_dropout, self.training)
         return self.embed_dropout(self.positions(x, offset))
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
@@ -280,7 +285,7 @@ class Transformer(nn.Module):
 
     def encode_padded(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         """`encode` of the whole padded batch at once."""
-        x, weights = self.embed_tokens(src), []
+        x, weights = self.embed_tokens(src, source=True), []
         for layer in self.encoder_layers:
             x, w = self.run_layer(layer, x, src_mask, need_weights)
             weights.append(w)

@@ -52,7 +52,7 @@ def attention_figures(model: Transformer, tokenizer, src_ids: list[int], tgt_ids
     tgt = torch.tensor([[tokenizer.bos_id] + tgt_ids], device=device)
     model.eval()
     weights = model.attention_weights(src, tgt)
-    src_tokens = [tokenizer.sp.id_to_piece(i) for i in src_ids] + ["</s>"]
+    src_tokens = [tokenizer.source.sp.id_to_piece(i) for i in src_ids] + ["</s>"]
     tgt_tokens = ["<s>"] + [tokenizer.sp.id_to_piece(i) for i in tgt_ids]
     axes = {
         "encoder_self": (src_tokens, src_tokens),

@@ -1,4 +1,5 @@
-"""One joint SentencePiece model for source and target, trained on the training split."""
+"""SentencePiece models trained on the training split: one joint model for source and target (the
+default), or one per language (data.joint_vocab=false)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,23 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer:
-    """Text <-> token ids. The serialized model travels inside every checkpoint."""
+    """Text <-> token ids of the target side, and through `source` of the source side: the same
+    object for a joint vocabulary, another Tokenizer (built from source_bytes) for a separate one.
+    The serialized models travel inside every checkpoint."""
 
-    def __init__(self, model_bytes: bytes):
-        self.model_bytes = model_bytes
+    def __init__(self, model_bytes: bytes, source_bytes: bytes | None = None):
+        self.model_bytes, self.source_bytes = model_bytes, source_bytes
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
+        self.source = self if source_bytes is None else Tokenizer(source_bytes)
+
+    @property
+    def joint(self) -> bool:
+        """True when source and target share one vocabulary."""
+        return self.source is self
+
+    def same_as(self, other: Tokenizer) -> bool:
+        return (self.model_bytes, self.source_bytes) == (other.model_bytes, other.source_bytes)
 
     @classmethod
     def train(cls, sentences: Iterable[str], vocab_size: int, model_type: str, sample: int = 0) -> Tokenizer:
@@ -51,10 +63,18 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
-        return cls(Path(path).read_bytes())
+        """The model saved at `path`, with its separate source model if one is saved beside it."""
+        source = source_path(Path(path))
+        return cls(Path(path).read_bytes(), source.read_bytes() if source.is_file() else None)
 
     def save(self, path: Path) -> None:
+        """The (target or joint) model at `path`; a separate source model beside it, as
+        spm.src.model for spm.model (a joint one removes any such file left from an earlier run)."""
         Path(path).write_bytes(self.model_bytes)
+        if self.source_bytes is None:
+            source_path(Path(path)).unlink(missing_ok=True)
+        else:
+            source_path(Path(path)).write_bytes(self.source_bytes)
 
     def __len__(self) -> int:
         return self.sp.get_piece_size()
@@ -75,3 +95,8 @@ class Tokenizer:
 
     def pieces(self, text: str) -> list[str]:
         return self.sp.encode(text, out_type=str)
+
+
+def source_path(path: Path) -> Path:
+    """Where the separate source model of the model saved at `path` goes: spm.model -> spm.src.model."""
+    return path.with_name(f"{path.stem}.src{path.suffix}")
