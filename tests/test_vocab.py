@@ -77,7 +77,9 @@ def test_train_and_translate_with_separate_vocabularies(tmp_path, shared_corpus)
         "data.subword_alpha=0.1",
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "unigram tokenizers of 300 (source) and 300 pieces" in (run_dir / "train.log").read_text()
+    assert (
+        "unigram tokenizers of 300 pieces for the source and 300 for the target" in (run_dir / "train.log").read_text()
+    )
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 20
     model, tokenizer, _ = load_model(run_dir / "checkpoint_best.pt")
     assert not tokenizer.joint and tokenizer.same_as(Tokenizer.load(run_dir / "spm.model"))

@@ -63,7 +63,8 @@ def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
     tokenizer.save(run_dir / "spm.model")
     what = f"a {len(tokenizer)}-piece {cfg.data.spm_model_type} tokenizer"
     if not tokenizer.joint:
-        what = f"{cfg.data.spm_model_type} tokenizers of {len(tokenizer.source)} (source) and {len(tokenizer)} pieces"
+        sizes = f"{len(tokenizer.source)} pieces for the source and {len(tokenizer)} for the target"
+        what = f"{cfg.data.spm_model_type} tokenizers of {sizes}"
     log.info("trained %s in %.1fs", what, time.monotonic() - started)
     return tokenizer
 
