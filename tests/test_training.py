@@ -215,8 +215,9 @@ def test_decoupled_weight_decay_shrinks_the_weights_apart_from_the_gradient(fuse
     for decoupled in (True, False):
         weight = torch.nn.Parameter(torch.full((3,), 2.0))
         tcfg = TrainerConfig(lr=0.1, weight_decay=0.5, decoupled_weight_decay=decoupled)
-        optimizer = trainer_adam([weight], tcfg, torch.device("cpu"))
-        if not fused:
+        if fused:  # what the Trainer builds
+            optimizer = trainer_adam([weight], tcfg, torch.device("cpu"))
+        else:
             optimizer = adam([weight], 0.1, tcfg.betas, tcfg.eps, 0.5, torch.device("cpu"), False, decoupled)
         weight.grad = torch.zeros(3)
         optimizer.step()
