@@ -114,7 +114,17 @@ def build_ours(
     from transformer.model import ModelConfig, Transformer
 
     set_onednn(onednn)  # each measurement has its own process
-    model = Transformer(ModelConfig(VOCAB, 0, layers, layers, d_model, heads, None, d_ff, dropout=0.1))
+    model = Transformer(
+        ModelConfig(
+            VOCAB,
+            n_encoder_layers=layers,
+            n_decoder_layers=layers,
+            d_model=d_model,
+            n_heads=heads,
+            d_ff=d_ff,
+            dropout=0.1,
+        )
+    )
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
 

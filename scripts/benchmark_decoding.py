@@ -136,7 +136,17 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
         ours = (
-            Transformer(ModelConfig(len(tokenizer), 0, layers, layers, d_model, heads, None, d_ff, dropout=0.0))
+            Transformer(
+                ModelConfig(
+                    len(tokenizer),
+                    n_encoder_layers=layers,
+                    n_decoder_layers=layers,
+                    d_model=d_model,
+                    n_heads=heads,
+                    d_ff=d_ff,
+                    dropout=0.0,
+                )
+            )
             .to(device)
             .eval()
         )

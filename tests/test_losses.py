@@ -47,7 +47,17 @@ def test_projected_loss_passes_gradcheck(small_chunks):
 @pytest.mark.parametrize("tie_output", [True, False])
 def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks, tie_output):
     """The tied embedding receives both its gradients, as embedding and as output projection."""
-    cfg = ModelConfig(13, 0, 1, 2, d_model=8, n_heads=2, d_ff=16, dropout=0.0, tie_output=tie_output)
+    cfg = ModelConfig(
+        13,
+        pad_id=0,
+        n_encoder_layers=1,
+        n_decoder_layers=2,
+        d_model=8,
+        n_heads=2,
+        d_ff=16,
+        dropout=0.0,
+        tie_output=tie_output,
+    )
     model = Transformer(cfg).double()
     _, _, target = padded_problem()
     src = torch.randint(1, 13, (3, 5))

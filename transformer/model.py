@@ -11,7 +11,7 @@ may attend to this key". Masks broadcast against attention scores of shape
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
 import torch
@@ -41,6 +41,8 @@ ACTIVATIONS = ("relu", "gelu", "swiglu")
 @dataclass
 class ModelConfig:
     vocab_size: int = 8000  # the target (or joint) vocabulary; train.py sets it from the tokenizer
+    _: KW_ONLY  # the rest by name: a field added later cannot shift the meaning of positional arguments
+    src_vocab_size: Optional[int] = None  # None: the source shares the target's vocabulary and embedding
     pad_id: int = 0
     n_encoder_layers: int = 6
     n_decoder_layers: int = 6
@@ -60,7 +62,6 @@ class ModelConfig:
     norm: str = "layernorm"  # or "rmsnorm"
     activation: str = "relu"  # or "gelu", or "swiglu" (gated; its hidden size is 2/3 d_ff, same parameters)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # the attention variant
-    src_vocab_size: Optional[int] = None  # None: the source shares the target's vocabulary and embedding
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):  # from a checkpoint's plain-dict config
