@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from transformer.benchmarking import hardware, marian_model, matmul_peak
+from transformer.benchmarking import hardware, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device
@@ -111,20 +111,9 @@ def build_ours(
     """Our model and the trainer's loss; the flags as trainer.compile, recompute and chunked_loss."""
     from transformer.linear import set_onednn
     from transformer.losses import training_objective
-    from transformer.model import ModelConfig, Transformer
 
     set_onednn(onednn)  # each measurement has its own process
-    model = Transformer(
-        ModelConfig(
-            VOCAB,
-            n_encoder_layers=layers,
-            n_decoder_layers=layers,
-            d_model=d_model,
-            n_heads=heads,
-            d_ff=d_ff,
-            dropout=0.1,
-        )
-    )
+    model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1)
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
 

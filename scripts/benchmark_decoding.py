@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import hardware, marian_model, timed
+from transformer.benchmarking import hardware, marian_model, our_model, timed
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
@@ -135,21 +135,7 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
-        ours = (
-            Transformer(
-                ModelConfig(
-                    len(tokenizer),
-                    n_encoder_layers=layers,
-                    n_decoder_layers=layers,
-                    d_model=d_model,
-                    n_heads=heads,
-                    d_ff=d_ff,
-                    dropout=0.0,
-                )
-            )
-            .to(device)
-            .eval()
-        )
+        ours = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).to(device).eval()
         torch.manual_seed(0)
         theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).to(device).eval()
         for strategy, beams in (("greedy", 1), ("beam", 5)):

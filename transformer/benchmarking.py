@@ -69,6 +69,14 @@ def repeat(fn, times: int) -> None:
         fn()
 
 
+def our_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
+    """This package's Transformer with the same dimensions as `marian_model` takes."""
+    from .model import ModelConfig, Transformer
+
+    cfg = ModelConfig(vocab, n_encoder_layers=layers, n_decoder_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, dropout=dropout)  # fmt: skip
+    return Transformer(cfg)
+
+
 def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
     """Hugging Face's MarianMTModel with our dimensions: the peer the benchmarks compare against
     (shared embeddings, scaled by sqrt(d_model), ReLU, PAD 0, BOS 2 as decoder start, EOS 3)."""
