@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.data import collate, tokenize
+from transformer.config import Config, ConfigError
+from transformer.data import DataConfig, collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
-from transformer.devices import autocast_dtype, cpu_has_bf16_matmul
+from transformer.devices import autocast_dtype, cpu_has_bf16_matmul, require_cpp_compiler
+from transformer.experiment import run
 from transformer.losses import adam, inverse_sqrt_lr, label_smoothed_loss, scheduled_lr, trainer_adam
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
@@ -180,6 +182,19 @@ def test_bf16_autocast_is_chosen_only_for_cpus_with_bf16_matrix_instructions():
     assert not cpu_has_bf16_matmul("model name\t: avx512_bf16 in a name is not a flag\n")
     assert autocast_dtype("fp32", torch.device("cpu")) is None
     assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
+
+
+def test_compiling_on_a_cpu_without_a_cpp_compiler_is_refused_before_training(tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    missing = DataConfig(dir=str(tmp_path / "no-corpus"))  # without the check, the run fails at once on this
+    cfg = Config(data=missing, trainer=TrainerConfig(device="cpu", compile=True))
+    with pytest.raises(ConfigError, match="trainer.compile=true needs a C\\+\\+ compiler"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
+    require_cpp_compiler(torch.device("cuda"))  # GPUs compile without one
+    monkeypatch.setenv("CXX", "/opt/bin/c++")
+    require_cpp_compiler(torch.device("cpu"))
 
 
 def test_the_trainers_fused_adam_updates_like_torchs_default_adam():

@@ -3,9 +3,13 @@ autocast (bf16 on GPUs and on CPUs with bf16 matrix instructions, fp16 on older 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
+
+from .errors import ConfigError
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -43,3 +47,16 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
         else:
             precision = "bf16" if cpu_has_bf16_matmul() else "fp32"
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+CXX_NAMES = ("c++", "g++", "clang++")  # what torch.compile's CPU code generator looks for, with $CXX
+
+
+def require_cpp_compiler(device: torch.device) -> None:
+    """trainer.compile on a CPU writes C++ kernels at the first step: without a compiler, say so
+    before anything is trained rather than with a traceback a minute in."""
+    if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(name) for name in CXX_NAMES)):
+        raise ConfigError(
+            f"trainer.compile=true needs a C++ compiler on a CPU, and none of {', '.join(CXX_NAMES)} is on "
+            "PATH (nor is CXX set): install one (e.g. apt install g++) or set trainer.compile=false"
+        )

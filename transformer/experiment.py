@@ -28,7 +28,7 @@ from .data import (
     write_lines,
 )
 from .decoding import translate_corpus
-from .devices import autocast_dtype, pick_device
+from .devices import autocast_dtype, pick_device, require_cpp_compiler
 from .errors import ConfigError
 from .evaluation import score
 from .model import Transformer, count_parameters
@@ -206,6 +206,8 @@ def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = No
     Returns the test scores (on rank 0; other ranks of a distributed run return an empty dict after
     training). trainer.members > 1 trains several models at once and ensembles them (members.py).
     A given tokenizer is used instead of training one (members share their parent's)."""
+    if cfg.trainer.compile:
+        require_cpp_compiler(pick_device(cfg.trainer.device))
     if cfg.trainer.members > 1:
         from .members import run_members
 
