@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -49,14 +50,12 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-CXX_NAMES = ("c++", "g++", "clang++")  # what torch.compile's CPU code generator looks for, with $CXX
-
-
 def require_cpp_compiler(device: torch.device) -> None:
     """trainer.compile on a CPU writes C++ kernels at the first step: without a compiler, say so
     before anything is trained rather than with a traceback a minute in."""
-    if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(name) for name in CXX_NAMES)):
+    compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")  # torch.compile's choice
+    if device.type == "cpu" and shutil.which(compiler) is None:
         raise ConfigError(
-            f"trainer.compile=true needs a C++ compiler on a CPU, and none of {', '.join(CXX_NAMES)} is on "
-            "PATH (nor is CXX set): install one (e.g. apt install g++) or set trainer.compile=false"
+            f"trainer.compile=true needs a C++ compiler on a CPU, and {compiler} (CXX, or the default) was not "
+            "found: install one (e.g. apt install g++), point CXX at one, or set trainer.compile=false"
         )
