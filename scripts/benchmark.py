@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from transformer.benchmarking import hardware, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
-from transformer.devices import cpu_has_bf16_matmul, pick_device
+from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
 from transformer.losses import adam
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
@@ -345,6 +345,10 @@ def main(argv: list[str]) -> None:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
         return
     device = pick_device(cfg.device)
+    impls = [i for i in cfg.implementations if available(i)]
+    if any("compile" in i for i in impls):
+        with exit_on_user_error():  # the trainer's check, before any measurement
+            require_cpp_compiler(device, "ours-compile", "leave it out of implementations")
     info = hardware()
     has_bf16 = device.type == "cuda" or cpu_has_bf16_matmul()
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
@@ -353,7 +357,6 @@ def main(argv: list[str]) -> None:
     print(json.dumps(info))
     peak_text = ", ".join(f"{p} {peaks[p]:.0f} GFLOP/s" for p in precisions)
     print(f"device {device.type}; dense matmul peak: {peak_text}; bf16 autocast measured: {has_bf16}")
-    impls = [i for i in cfg.implementations if available(i)]
     runs: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not cfg.batches:  # built once, read by every measurement

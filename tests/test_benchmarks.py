@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end and report what they claim to (speeds are not asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -33,3 +34,16 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())  # one measurement per round
     assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
     assert report["hardware"]["threads"] == 1
+
+
+def test_training_benchmark_refuses_compiling_without_the_cpp_compiler_before_measuring(tmp_path):
+    env = {**os.environ, "CXX": "no-such-c++-compiler"}
+    args = ["implementations=[ours-compile]", "presets=[small]", "precisions=[fp32]", "steps=1", "rounds=1"]
+    args.append(f"batches={tmp_path / 'missing.pt'}")  # without the check, the measurement fails on this instead
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("error: ours-compile needs a C++ compiler")
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""  # nothing measured or printed before the refusal

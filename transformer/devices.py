@@ -50,12 +50,14 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def require_cpp_compiler(device: torch.device) -> None:
-    """trainer.compile on a CPU writes C++ kernels at the first step: without a compiler, say so
-    before anything is trained rather than with a traceback a minute in."""
+def require_cpp_compiler(
+    device: torch.device, option: str = "trainer.compile=true", instead: str = "set trainer.compile=false"
+) -> None:
+    """torch.compile on a CPU writes C++ kernels at the first step: without a compiler, say so
+    before anything is trained or measured rather than with a traceback a minute in."""
     compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")  # torch.compile's choice
     if device.type == "cpu" and shutil.which(compiler) is None:
         raise ConfigError(
-            f"trainer.compile=true needs a C++ compiler on a CPU, and {compiler} (CXX, or the default) was not "
-            "found: install one (e.g. apt install g++), point CXX at one, or set trainer.compile=false"
+            f"{option} needs a C++ compiler on a CPU, and {compiler} (CXX, or the default) was not "
+            f"found: install one (e.g. apt install g++), point CXX at one, or {instead}"
         )
