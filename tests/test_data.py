@@ -181,3 +181,48 @@ def test_subword_sampler_draws_segmentations_with_probability_p_to_the_alpha(sha
     draws = [sampler.draw(rng).src[0] for _ in range(4000)]
     observed = np.array([sum(d == a for d in draws) for a in alternatives]) / len(draws)
     np.testing.assert_allclose(observed, expected, atol=0.03)
+
+
+def test_extra_source_languages_pair_with_the_same_targets_in_training_only(tmp_path, monkeypatch):
+    """data.extra_src_langs (many-to-one): the training split holds the en -> de pairs and then
+    the fr -> de pairs, tagged by source language, in memory and streamed alike; validation
+    stays en -> de."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    lines = {"en": ["A dog.", "Two cats."], "fr": ["Un chien.", "Deux chats."], "de": ["Ein Hund.", "Zwei Katzen."]}
+    write_corpus(tmp_path, "train", lines)
+    write_corpus(tmp_path, "val", lines)
+    cfg = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"])
+    for streaming in (False, True):
+        cfg.streaming = streaming
+        train = load_split(cfg, "train")
+        assert train["src"][:] == lines["en"] + lines["fr"] and train["tgt"][:] == lines["de"] * 2
+        assert train["src_lang"][:] == ["en", "en", "fr", "fr"]
+    valid = load_split(cfg, "val")
+    assert valid["src"][:] == lines["en"] and "src_lang" not in valid.column_names
+
+    cfg.extra_src_langs = ["fr", "cs"]
+    with pytest.raises(DataError, match=r"unknown language code 'cs'.*available: de, en, fr"):
+        load_split(cfg, "train")
+
+
+@pytest.mark.parametrize("extra", [["en"], ["de"], ["fr", "fr"]])
+def test_an_extra_source_language_must_be_new(extra):
+    with pytest.raises(ValueError, match=f"data.extra_src_langs: '{extra[0]}'"):
+        DataConfig(src_lang="en", tgt_lang="de", extra_src_langs=extra)
+
+
+def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_path, monkeypatch):
+    """The targets repeat once per source language in the training split; the joint
+    SentencePiece model must not weigh the target language by that count."""
+    from omegaconf import OmegaConf
+
+    from transformer import experiment
+
+    lines = {"en": ["A dog.", "Two cats."], "fr": ["Un chien.", "Deux chats."], "de": ["Ein Hund.", "Zwei Katzen."]}
+    write_corpus(tmp_path, "train", lines)
+    seen = []
+    monkeypatch.setattr(experiment.Tokenizer, "train", lambda text, *a: seen.append(list(text)) or 1 / 0)
+    data = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"])
+    with pytest.raises(ZeroDivisionError):  # stop once the text is handed over
+        experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), tmp_path, load_split(data, "train"))
+    assert sorted(seen[0]) == sorted(lines["en"] + lines["fr"] + lines["de"])

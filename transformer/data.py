@@ -45,6 +45,9 @@ class DataConfig:
     spm_sample: int = 2_000_000  # sentences sampled to train SentencePiece (all, when fewer)
     subword_alpha: float = 0.0  # > 0: a new random segmentation of the training split each epoch (SubwordSampler)
     subword_nbest: int = 64  # ... drawn from each sentence's this many best segmentations
+    # Many-to-one: the training split also pairs these languages' sentences with the same targets
+    # (e.g. [fr, cs] beside en -> de on Multi30k); validation and test stay src_lang -> tgt_lang.
+    extra_src_langs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.subword_alpha < 0:
@@ -55,6 +58,9 @@ class DataConfig:
             raise ValueError(f"data.subword_nbest={self.subword_nbest} must be at least 2 to sample from")
         if self.subword_alpha > 0 and self.streaming:
             raise ValueError("data.subword_alpha re-segments the training split in memory; it cannot be used with data.streaming=true")  # fmt: skip
+        for lang in self.extra_src_langs:
+            if lang in (self.src_lang, self.tgt_lang) or list(self.extra_src_langs).count(lang) > 1:
+                raise ValueError(f"data.extra_src_langs: {lang!r} is the source or target language or is listed twice")
 
 
 # --- Reading ------------------------------------------------------------------------------------
@@ -101,15 +107,39 @@ def corpus_file(directory: Path, split: str, lang: str) -> Path:
 
 
 def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
-    """One split as a Dataset with string columns "src" and "tgt"."""
+    """One split as a Dataset with string columns "src" and "tgt". The training split with
+    data.extra_src_langs holds each source language's pairs in turn, with a "src_lang" column."""
+    if split != cfg.train_split or not cfg.extra_src_langs:
+        return load_pairs(cfg, split, cfg.src_lang)
+    parts = []
+    for lang in [cfg.src_lang, *cfg.extra_src_langs]:
+        part = load_pairs(cfg, split, lang)
+        parts.append(part.map(_tag_source, fn_kwargs={"lang": lang}, batched=True, batch_size=10_000))
+    return datasets.concatenate_datasets(parts)
+
+
+def _tag_source(batch: dict, lang: str) -> dict:
+    return {"src_lang": [lang] * len(batch["src"])}
+
+
+def load_pairs(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
+    """The pairs src_lang -> cfg.tgt_lang of one split."""
     if cfg.hub_name:
-        return _load_hub_split(cfg, split)
+        return _load_hub_split(cfg, split, src_lang)
     directory = Path(cfg.dir)
-    src_path, tgt_path = corpus_file(directory, split, cfg.src_lang), corpus_file(directory, split, cfg.tgt_lang)
+    src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, cfg.tgt_lang)
     if cfg.streaming and split == cfg.train_split:
         return load_mapped(src_path, tgt_path)
     src, tgt = read_parallel(src_path, tgt_path)
     return datasets.Dataset.from_dict({"src": src, "tgt": tgt})
+
+
+def primary_rows(ds: datasets.Dataset, src_lang: str) -> datasets.Dataset:
+    """The pairs of a training split whose source is src_lang: with data.extra_src_langs each
+    target repeats once per source language, and the tokenizer should see it once."""
+    if "src_lang" not in ds.column_names:
+        return ds
+    return ds.filter(lambda langs: [x == src_lang for x in langs], input_columns="src_lang", batched=True)
 
 
 def load_mapped(src_path: Path, tgt_path: Path) -> datasets.Dataset:
@@ -155,16 +185,16 @@ def write_lines(path: Path, lines: list[str]) -> None:
         raise DataError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _load_hub_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+def _load_hub_split(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
     """Hub datasets come as a "translation" column of {lang: text} or as one column per language."""
     ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
     if "translation" in ds.column_names:
-        ds = ds.map(lambda ex: {lang: ex["translation"][lang] for lang in (cfg.src_lang, cfg.tgt_lang)})
-    for lang in (cfg.src_lang, cfg.tgt_lang):
+        ds = ds.map(lambda ex: {lang: ex["translation"][lang] for lang in (src_lang, cfg.tgt_lang)})
+    for lang in (src_lang, cfg.tgt_lang):
         if lang not in ds.column_names:
             raise DataError(f"unknown language code {lang!r} for {cfg.hub_name}: columns are {ds.column_names}")
     return ds.map(
-        lambda ex: {"src": ex[cfg.src_lang].strip(), "tgt": ex[cfg.tgt_lang].strip()},
+        lambda ex: {"src": ex[src_lang].strip(), "tgt": ex[cfg.tgt_lang].strip()},
         remove_columns=ds.column_names,
     )
 

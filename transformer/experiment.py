@@ -9,6 +9,7 @@ import random
 import shutil
 import sys
 import time
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from .data import (
     clean_training_pairs,
     filter_long,
     load_split,
+    primary_rows,
     tokenize,
     tokenize_mapped,
     training_text,
@@ -52,12 +54,16 @@ def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
     started = time.monotonic()
     sides = [("src", "tgt")] if cfg.data.joint_vocab else [("tgt",), ("src",)]
     models = []
+    targets_once = primary_rows(train_ds, cfg.data.src_lang)  # data.extra_src_langs repeats the targets
     for columns in sides:
         if cfg.data.streaming:
-            text = training_text(train_ds, columns)
+            if targets_once is train_ds:  # one pass, both sides batch by batch
+                text = training_text(train_ds, columns)
+            else:
+                text = chain.from_iterable(training_text(targets_once if c == "tgt" else train_ds, (c,)) for c in columns)  # fmt: skip
             models.append(Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type, cfg.data.spm_sample))
         else:
-            text = [line for column in columns for line in train_ds[column]]
+            text = [line for c in columns for line in (targets_once if c == "tgt" else train_ds)[c]]
             models.append(Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type))
     tokenizer = Tokenizer(models[0].model_bytes, None if cfg.data.joint_vocab else models[1].model_bytes)
     tokenizer.save(run_dir / "spm.model")
@@ -92,13 +98,8 @@ def prepare_data(
         tokenizer.save(run_dir / "spm.model")
     tokenized = tokenize_mapped(train_ds, tokenizer) if cfg.data.streaming else tokenize(train_ds, tokenizer)
     train = filter_long(tokenized, cfg.data.max_len)
-    log.info(
-        "%d training pairs, %d validation pairs (%s -> %s)",
-        len(train),
-        len(valid_ds),
-        cfg.data.src_lang,
-        cfg.data.tgt_lang,
-    )
+    sources = ", ".join([cfg.data.src_lang, *cfg.data.extra_src_langs])
+    log.info("%d training pairs (%s -> %s), %d validation pairs", len(train), sources, cfg.data.tgt_lang, len(valid_ds))
     return tokenizer, train, tokenize(valid_ds, tokenizer)
 
 
