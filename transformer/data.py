@@ -59,8 +59,10 @@ class DataConfig:
         if self.subword_alpha > 0 and self.streaming:
             raise ValueError("data.subword_alpha re-segments the training split in memory; it cannot be used with data.streaming=true")  # fmt: skip
         for lang in self.extra_src_langs:
-            if lang in (self.src_lang, self.tgt_lang) or list(self.extra_src_langs).count(lang) > 1:
-                raise ValueError(f"data.extra_src_langs: {lang!r} is the source or target language or is listed twice")
+            if lang in (self.src_lang, self.tgt_lang):
+                raise ValueError(f"data.extra_src_langs: {lang!r} is already data.src_lang or data.tgt_lang")
+            if list(self.extra_src_langs).count(lang) > 1:
+                raise ValueError(f"data.extra_src_langs: {lang!r} is listed twice")
 
 
 # --- Reading ------------------------------------------------------------------------------------
