@@ -211,7 +211,8 @@ def test_an_extra_source_language_must_be_new(extra):
         DataConfig(src_lang="en", tgt_lang="de", extra_src_langs=extra)
 
 
-def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_path, monkeypatch):
+@pytest.mark.parametrize("streaming", [False, True])
+def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_path, monkeypatch, streaming):
     """The targets repeat once per source language in the training split; the joint
     SentencePiece model must not weigh the target language by that count."""
     from omegaconf import OmegaConf
@@ -222,7 +223,8 @@ def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_pat
     write_corpus(tmp_path, "train", lines)
     seen = []
     monkeypatch.setattr(experiment.Tokenizer, "train", lambda text, *a: seen.append(list(text)) or 1 / 0)
-    data = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"])
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    data = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"], streaming=streaming)
     with pytest.raises(ZeroDivisionError):  # stop once the text is handed over
         experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), tmp_path, load_split(data, "train"))
     assert sorted(seen[0]) == sorted(lines["en"] + lines["fr"] + lines["de"])
