@@ -228,3 +228,28 @@ def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_pat
     with pytest.raises(ZeroDivisionError):  # stop once the text is handed over
         experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), tmp_path, load_split(data, "train"))
     assert sorted(seen[0]) == sorted(lines["en"] + lines["fr"] + lines["de"])
+
+
+def test_hub_splits_are_loaded_once_for_all_source_languages(monkeypatch):
+    """data.hub_name (no network here: load_dataset is replaced by a local dataset): the
+    "translation" column gives each source language's pairs from one load of the split."""
+    import datasets
+
+    loads = []
+    rows = [{"en": "A dog.", "fr": "Un chien.", "de": "Ein Hund."}, {"en": "Two.", "fr": "Deux.", "de": "Zwei."}]
+
+    def load_dataset(name, config, split):
+        loads.append(split)
+        return datasets.Dataset.from_dict({"translation": rows})
+
+    monkeypatch.setattr("transformer.data.datasets.load_dataset", load_dataset)
+    cfg = DataConfig(hub_name="x/y", src_lang="en", tgt_lang="de", extra_src_langs=["fr"])
+    train = load_split(cfg, "train")
+    assert loads == ["train"]
+    assert train["src"][:] == ["A dog.", "Two.", "Un chien.", "Deux."] and train["tgt"][:] == ["Ein Hund.", "Zwei."] * 2
+    assert train["src_lang"][:] == ["en", "en", "fr", "fr"]
+    assert load_split(cfg, "val")["src"][:] == ["A dog.", "Two."]
+
+    monkeypatch.setattr("transformer.data.datasets.load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"en": ["a"], "de": ["b"]}))  # fmt: skip
+    with pytest.raises(DataError, match=r"unknown language code 'fr' for x/y"):
+        load_split(cfg, "train")

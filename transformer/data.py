@@ -111,23 +111,21 @@ def corpus_file(directory: Path, split: str, lang: str) -> Path:
 def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     """One split as a Dataset with string columns "src" and "tgt". The training split with
     data.extra_src_langs holds each source language's pairs in turn, with a "src_lang" column."""
-    if split != cfg.train_split or not cfg.extra_src_langs:
-        return load_pairs(cfg, split, cfg.src_lang)
-    parts = []
-    for lang in [cfg.src_lang, *cfg.extra_src_langs]:
-        part = load_pairs(cfg, split, lang)
-        parts.append(part.map(_tag_source, fn_kwargs={"lang": lang}, batched=True, batch_size=10_000))
-    return datasets.concatenate_datasets(parts)
-
-
-def _tag_source(batch: dict, lang: str) -> dict:
-    return {"src_lang": [lang] * len(batch["src"])}
+    many = split == cfg.train_split and bool(cfg.extra_src_langs)
+    langs = [cfg.src_lang, *cfg.extra_src_langs] if many else [cfg.src_lang]
+    if cfg.hub_name:
+        parts = _load_hub_split(cfg, split, langs)
+    else:
+        parts = [load_pairs(cfg, split, lang) for lang in langs]
+    if not many:
+        return parts[0]
+    tag = lambda batch, lang: {"src_lang": [lang] * len(batch["src"])}  # noqa: E731
+    tagged = [p.map(tag, fn_kwargs={"lang": lang}, batched=True, batch_size=10_000) for p, lang in zip(parts, langs)]
+    return datasets.concatenate_datasets(tagged)
 
 
 def load_pairs(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
-    """The pairs src_lang -> cfg.tgt_lang of one split."""
-    if cfg.hub_name:
-        return _load_hub_split(cfg, split, src_lang)
+    """The pairs src_lang -> cfg.tgt_lang of one split of the local corpus."""
     directory = Path(cfg.dir)
     src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, cfg.tgt_lang)
     if cfg.streaming and split == cfg.train_split:
@@ -187,18 +185,18 @@ def write_lines(path: Path, lines: list[str]) -> None:
         raise DataError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _load_hub_split(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
-    """Hub datasets come as a "translation" column of {lang: text} or as one column per language."""
+def _load_hub_split(cfg: DataConfig, split: str, src_langs: list[str]) -> list[datasets.Dataset]:
+    """The pairs of each source language with cfg.tgt_lang, from one load of the Hub split. Hub
+    datasets come as a "translation" column of {lang: text} or as one column per language."""
     ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
+    langs = [*src_langs, cfg.tgt_lang]
     if "translation" in ds.column_names:
-        ds = ds.map(lambda ex: {lang: ex["translation"][lang] for lang in (src_lang, cfg.tgt_lang)})
-    for lang in (src_lang, cfg.tgt_lang):
+        ds = ds.map(lambda ex: {lang: ex["translation"][lang] for lang in langs})
+    for lang in langs:
         if lang not in ds.column_names:
             raise DataError(f"unknown language code {lang!r} for {cfg.hub_name}: columns are {ds.column_names}")
-    return ds.map(
-        lambda ex: {"src": ex[src_lang].strip(), "tgt": ex[cfg.tgt_lang].strip()},
-        remove_columns=ds.column_names,
-    )
+    pair = lambda ex, src, tgt: {"src": ex[src].strip(), "tgt": ex[tgt].strip()}  # noqa: E731
+    return [ds.map(pair, fn_kwargs={"src": s, "tgt": cfg.tgt_lang}, remove_columns=ds.column_names) for s in src_langs]
 
 
 # --- Token ids ----------------------------------------------------------------------------------
