@@ -1,10 +1,31 @@
 import gzip
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "multi30k"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container or taskset may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (the default, see pyproject.toml): one test worker per usable CPU."""
+    return usable_cpus()
+
+
+# Under pytest-xdist the workers share the CPUs: each gets its share of torch threads, and so do
+# the train.py and translate.py commands the tests start (their torch reads OMP_NUM_THREADS), so
+# that two workers on two cores do not run four busy threads.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
 def write_corpus(directory: Path, split: str, pairs: dict[str, list[str]], gz: bool = True) -> None:
