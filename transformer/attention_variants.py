@@ -40,6 +40,7 @@ class AttentionConfig:
     def check(self, n_heads: int, d_head: int) -> None:
         if self.kind not in ATTENTION_KINDS:
             raise ValueError(f"model.attention.kind={self.kind!r} is not one of {ATTENTION_KINDS}")
+        self.check_ranges()
         if self.kind == "moh":
             routed = n_heads - self.shared_heads
             if not 1 <= self.shared_heads <= n_heads:
@@ -50,6 +51,16 @@ class AttentionConfig:
             raise ValueError(f"model.attention.rank={self.rank} must be 1 or 2")
         if self.kind == "overlap" and not 0 <= self.overlap <= d_head:
             raise ValueError(f"model.attention.overlap={self.overlap} must be in 0..{d_head} (the head size)")
+
+    def check_ranges(self) -> None:
+        """Each field's range whatever the kind (the unused kinds' keys stay in every config)."""
+        for key in ("shared_heads", "top_k", "rank"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.attention.{key}={getattr(self, key)} must be >= 1")
+        if self.overlap < 0:
+            raise ValueError(f"model.attention.overlap={self.overlap} must be >= 0")
+        if not 0 <= self.balance_weight < math.inf:
+            raise ValueError(f"model.attention.balance_weight={self.balance_weight} must be >= 0 and finite")
 
 
 # --- Mixture-of-Head attention ------------------------------------------------------------------

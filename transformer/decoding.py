@@ -56,6 +56,7 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"decode.strategy={self.strategy!r} is not one of {STRATEGIES}")
+        self.check_ranges()
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
         if self.precision not in PRECISIONS:
@@ -64,8 +65,20 @@ class DecodeConfig:
             raise ValueError(f"decode.mbr must be one of {UTILITIES} and decode.mbr_weights one of {WEIGHTS}")
         if self.mbr != "none" and self.strategy != "beam":
             raise ValueError(f"decode.mbr={self.mbr} reranks beam search's hypotheses: it needs decode.strategy=beam")
-        if self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError("decode.temperature must be > 0, decode.top_p in (0, 1], decode.top_k >= 0")
+
+    def check_ranges(self) -> None:
+        for key, low in (("beam_size", 1), ("max_tokens", 1), ("max_len_b", 0), ("min_len", 0), ("top_k", 0)):
+            if getattr(self, key) < low:
+                raise ValueError(f"decode.{key}={getattr(self, key)} must be >= {low}")
+        for key in ("max_len_a", "length_penalty"):  # search_done needs a penalty that grows with length
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"decode.{key}={getattr(self, key)} must be >= 0 and finite")
+        if self.max_len_a == 0 and self.max_len_b < 2:  # the limit counts the EOS
+            raise ValueError(f"decode.max_len_b={self.max_len_b} with decode.max_len_a=0 leaves no room for a token")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"decode.temperature={self.temperature} must be > 0 and finite")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"decode.top_p={self.top_p} is not in (0, 1]")
 
     def greedy(self) -> DecodeConfig:
         """These settings with greedy search (and no MBR, which needs a beam)."""

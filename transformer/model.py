@@ -66,11 +66,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.attention, dict):  # from a checkpoint's plain-dict config
             self.attention = AttentionConfig(**self.attention)
-        kv_heads = self.kv_heads
+        self.check_sizes()
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
-        if kv_heads < 1 or self.n_heads % kv_heads:
-            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={kv_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.kv_heads}")
         for key in ("dropout", "attention_dropout", "activation_dropout", "word_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:  # p = 1 would blank every activation it touches
                 raise ValueError(f"model.{key}={getattr(self, key)} is not in [0, 1)")
@@ -83,6 +83,22 @@ class ModelConfig:
         self.attention.check(self.n_heads, self.d_model // self.n_heads)
         if self.positional == "rope" and self.head_size % 2:
             raise ValueError(f"model.positional=rope needs an even head size, got {self.head_size}")
+        if self.positional == "sinusoidal" and self.d_model % 2:  # sines and cosines in pairs
+            raise ValueError(f"model.positional=sinusoidal needs an even model.d_model, got {self.d_model}")
+
+    def check_sizes(self) -> None:
+        """Counts and sizes, before anything divides by them."""
+        for key in ("vocab_size", "n_encoder_layers", "n_decoder_layers", "d_model", "n_heads", "d_ff"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("src_vocab_size", "n_kv_heads"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1 (or null)")
+        if self.max_positions < 2:  # BOS and one token
+            raise ValueError(f"model.max_positions={self.max_positions} must be >= 2")
+        ids = min(self.vocab_size, self.src_vocab_size or self.vocab_size)  # of both vocabularies
+        if not 0 <= self.pad_id < ids:
+            raise ValueError(f"model.pad_id={self.pad_id} must be a token id, in 0..{ids - 1}")
 
     @property
     def kv_heads(self) -> int:
