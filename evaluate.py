@@ -26,6 +26,7 @@ from transformer.config import exit_on_user_error
 from transformer.data import read_parallel, write_lines
 from transformer.decoding import DecodeConfig, translate
 from transformer.evaluation import score
+from transformer.files import check_output
 from transformer.monitoring import progress_bar
 
 
@@ -43,12 +44,12 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, EvaluateConfig, __doc__)
         device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
+        label = cfg.decode.label
+        default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
+        output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])
         sources, references = read_parallel(src_path, ref_path)
         with progress_bar(len(sources), "evaluate") as bar:
             hyps = translate(model, sources, tokenizer, cfg.decode, device, bar, source_name=str(src_path))
-        label = cfg.decode.label
-        default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
-        output = Path(cfg.output) if cfg.output else default_output
         write_lines(output, hyps)
         scores = score(hyps, references, lowercase=cfg.lowercase)
         print(scores.summary(f"{src_path.name} -> {ref_path.name} {label}"))

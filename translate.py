@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import load_decoder, parse_args, setup_logging
+from transformer.checkpoint import direction, language_pair
+from transformer.cli import file_language, load_decoder, parse_args, setup_logging
 from transformer.config import exit_on_user_error
-from transformer.data import DataError, read_lines, write_lines
+from transformer.data import decode_lines, read_lines, write_lines
 from transformer.decoding import DecodeConfig, Hypothesis, translate_texts
+from transformer.files import check_output
 from transformer.monitoring import progress_bar
 
 log = logging.getLogger("translate")
@@ -43,12 +45,16 @@ class TranslateConfig:
 
 
 def read_input(path: str | None) -> list[str]:
-    if path is None:
-        try:
-            return [line.strip() for line in sys.stdin]
-        except UnicodeDecodeError:
-            raise DataError("standard input is not valid UTF-8") from None
+    if path is None:  # the bytes, decoded strictly: text mode would let invalid UTF-8 through as escapes
+        return decode_lines(sys.stdin.buffer.read(), "standard input")
     return read_lines(Path(path))
+
+
+def warn_if_target_language(path: str | None, payload: dict) -> None:
+    """An input file named in the language the model translates into is likely the wrong file."""
+    pair = language_pair(payload.get("train_config"))
+    if pair and file_language(path) == pair[1] and pair[1] not in pair[0]:
+        log.warning("input=%s looks like %s, the language the checkpoint translates into (%s)", path, pair[1], direction(pair))  # fmt: skip
 
 
 def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int) -> list[str]:
@@ -62,7 +68,10 @@ def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, TranslateConfig, __doc__)
-        device, model, tokenizer, _ = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
+        inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
+        output = None if cfg.output is None else check_output(cfg.output, inputs)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
+        warn_if_target_language(cfg.input, payload)
         lines = read_input(cfg.input)
         if not lines:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")
@@ -70,10 +79,10 @@ def main(argv: list[str]) -> None:
         with progress_bar(sum(1 for line in lines if line), "translate") as bar:
             n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, source_name=name)
         out = output_lines(n_best, tokenizer, cfg.decode.n_best)
-        if cfg.output is None:
+        if output is None:
             sys.stdout.write("".join(line + "\n" for line in out))
         else:
-            write_lines(Path(cfg.output), out)
+            write_lines(output, out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Optional
 from transformer.cli import parse_args
 from transformer.config import exit_on_user_error
 from transformer.decoding import DecodeConfig
+from transformer.files import atomic_open, check_output
 
 
 @dataclass
@@ -32,18 +33,48 @@ class HeadsConfig:
     device: str = "cpu"
     decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(strategy="greedy"))
 
+    def __post_init__(self) -> None:
+        if self.sentences < 1:
+            raise ValueError(f"sentences={self.sentences} must be >= 1")
+        if not all(k >= 1 for k in self.prune):
+            raise ValueError(f"prune={list(self.prune)}: every number of heads to prune must be >= 1")
+
+
+def data_config(cfg: HeadsConfig, payload: dict):
+    """The training run's data settings, with data_dir= applied."""
+    from transformer.checkpoint import CheckpointError, train_config_of
+    from transformer.data import DataConfig
+
+    try:
+        data = DataConfig(**train_config_of(payload, cfg.checkpoint)["data"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{cfg.checkpoint} has bad train_config data settings: {e}") from None
+    data.dir = cfg.data_dir or data.dir
+    return data
+
+
+def output_paths(cfg: HeadsConfig, data) -> tuple[Path, Path]:
+    """The two PNGs (BLEU lost, confidence); neither may replace an input or a checkpoint."""
+    from transformer.data import corpus_file
+
+    inputs = [cfg.checkpoint]
+    if not data.hub_name:
+        inputs += [corpus_file(Path(data.dir), cfg.split, lang) for lang in (data.src_lang, data.tgt_lang)]
+    output = check_output(cfg.output or Path(cfg.checkpoint).with_suffix(".heads.png"), inputs)
+    return output, check_output(output.with_name(output.stem + "_confidence.png"), inputs)
+
 
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, HeadsConfig, __doc__)
         from transformer.checkpoint import load_model
-        from transformer.data import DataConfig, load_split, tokenize
+        from transformer.data import load_split, tokenize
         from transformer.heads import head_confidence, head_importance, masked_bleu, prune_least_important
         from transformer.plotting import head_heatmap, plt
 
         model, tokenizer, payload = load_model(Path(cfg.checkpoint), cfg.device)
-        data = DataConfig(**payload["train_config"]["data"])
-        data.dir = cfg.data_dir or data.dir
+        data = data_config(cfg, payload)
+        output, confidence_output = output_paths(cfg, data)
         ds = load_split(data, cfg.split)
         corpus = tokenize(ds.select(range(min(cfg.sentences, len(ds)))), tokenizer)
         confidence = head_confidence(model, corpus, tokenizer)
@@ -60,16 +91,11 @@ def main(argv: list[str]) -> None:
         for k in cfg.prune:
             bleu = masked_bleu(model, corpus, tokenizer, cfg.decode, cfg.device, prune_least_important(model, drops, k))
             print(f"pruning the {k} least important of {n_heads} heads: BLEU {bleu:.2f} ({bleu - baseline:+.2f})")
-        output = Path(cfg.output) if cfg.output else Path(cfg.checkpoint).with_suffix(".heads.png")
-        fig, fig2 = (
-            head_heatmap(confidence, "head confidence", "confidence"),
-            head_heatmap(drops, "BLEU lost when masked", "BLEU"),
-        )
-        fig.savefig(output.with_name(output.stem + "_confidence.png"), dpi=120)
-        fig2.savefig(output, dpi=120)
-        plt.close(fig)
-        plt.close(fig2)
-        print(f"wrote {output} and {output.with_name(output.stem + '_confidence.png')}")
+        for path, figure in ((confidence_output, head_heatmap(confidence, "head confidence", "confidence")), (output, head_heatmap(drops, "BLEU lost when masked", "BLEU"))):  # fmt: skip
+            with atomic_open(path) as f:
+                figure.savefig(f, format="png", dpi=120)
+            plt.close(figure)
+        print(f"wrote {output} and {confidence_output}")
 
 
 if __name__ == "__main__":

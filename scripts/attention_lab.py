@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from transformer.checkpoint import load_model
+from transformer.checkpoint import load_model, train_config_of
 from transformer.cli import parse_args
-from transformer.config import exit_on_user_error
+from transformer.config import ConfigError, exit_on_user_error
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, translate
+from transformer.files import atomic_write_text, check_output
 from transformer.gqa import kv_cache_bytes_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +69,16 @@ class LabConfig:
     report_only: bool = False
     extra: list[str] = field(default_factory=list)  # more train.py overrides for every run (e.g. a smaller experiment)
 
+    def __post_init__(self) -> None:
+        if not 0 < self.minutes < math.inf:  # trainer.max_minutes=0 would mean no budget at all
+            raise ValueError(f"minutes={self.minutes} must be > 0 and finite")
+        for key in ("speed_sentences", "finetune_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        unknown = [name for name in self.only if name not in VARIANTS]
+        if unknown:
+            raise ValueError(f"only: {unknown[0]!r} is not one of {list(VARIANTS)}")
+
 
 def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
     run_dir = out / name
@@ -82,7 +93,7 @@ def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
 def decode_speed(run_dir: Path, n: int) -> float:
     """Beam-5 sentences per second on the first n test_2016_flickr sources (batched as translate.py does)."""
     model, tokenizer, payload = load_model(run_dir / "checkpoint_best.pt")
-    data = payload["train_config"]["data"]
+    data = train_config_of(payload, run_dir / "checkpoint_best.pt")["data"]
     split = load_split(DataConfig(dir=data["dir"], src_lang=data["src_lang"], tgt_lang=data["tgt_lang"]), "test_2016_flickr")  # fmt: skip
     sources = list(split["src"])[:n]
     started = time.perf_counter()
@@ -186,6 +197,9 @@ def markdown(rows: list[dict], conversions: dict[str, dict], extra: list[str]) -
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, LabConfig, __doc__)
+        doc = check_output(ROOT / cfg.doc, [], key="doc")  # before hours of training, not after
+        if not doc.is_file():
+            raise ConfigError(f"doc={cfg.doc} does not exist: the table goes between its {START} and {END} lines")
     out = ROOT / cfg.out
     names = cfg.only or list(VARIANTS)
     if not cfg.report_only:
@@ -194,6 +208,12 @@ def main(argv: list[str]) -> None:
         if cfg.conversions and "mha" in names:
             for name, spec in CONVERSIONS.items():
                 convert(name, spec, out, cfg.finetune_steps)
+    with exit_on_user_error():
+        print(report(cfg, out, names, doc))
+
+
+def report(cfg: LabConfig, out: Path, names: list[str], doc: Path) -> str:
+    """The table of the finished runs, written into `doc` and out/summary.json."""
     rows = []
     for name in names:
         run_dir = out / name
@@ -201,7 +221,7 @@ def main(argv: list[str]) -> None:
             continue
         speed_file = run_dir / "decode_speed.json"
         if not speed_file.is_file():
-            speed_file.write_text(json.dumps({"beam5_sentences_per_s": decode_speed(run_dir, cfg.speed_sentences)}))
+            atomic_write_text(speed_file, json.dumps({"beam5_sentences_per_s": decode_speed(run_dir, cfg.speed_sentences)}))  # fmt: skip
         rows.append(row_of_run(name, run_dir, json.loads(speed_file.read_text())["beam5_sentences_per_s"]))
     conversions = {}
     for name in CONVERSIONS:
@@ -209,13 +229,13 @@ def main(argv: list[str]) -> None:
         if path.is_file():
             conversions[name] = json.loads(path.read_text())
     table = markdown(rows, conversions, cfg.extra)
-    (out / "summary.json").write_text(json.dumps({"rows": rows, "conversions": conversions}, indent=2) + "\n")
-    doc = ROOT / cfg.doc
+    summary = check_output(out / "summary.json", [], key=None)
+    atomic_write_text(summary, json.dumps({"rows": rows, "conversions": conversions}, indent=2) + "\n")
     text = doc.read_text()
     if START in text and END in text:
         head, rest = text.split(START, 1)
-        doc.write_text(head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
-    print(table)
+        atomic_write_text(doc, head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+    return table
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Optional
 from transformer import checkpoint
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
+from transformer.files import check_output
 
 
 @dataclass
@@ -24,6 +25,10 @@ class AverageConfig:
     last: int = 5
     inputs: list[str] = field(default_factory=list)  # or explicit checkpoint files
     output: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.last < 1:  # a slice [-last:] would take every checkpoint (0) or drop some (< 0)
+            raise ValueError(f"last={self.last} must be >= 1")
 
 
 def checkpoints_to_average(cfg: AverageConfig) -> list[Path]:
@@ -41,9 +46,7 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, AverageConfig, __doc__)
         paths = checkpoints_to_average(cfg)
-        output = Path(cfg.output) if cfg.output else paths[-1].parent / f"checkpoint_avg{len(paths)}.pt"
-        if output.resolve() in [p.resolve() for p in paths]:
-            raise ConfigError(f"output={output} is one of the inputs; choose another path")
+        output = check_output(cfg.output or paths[-1].parent / f"checkpoint_avg{len(paths)}.pt", paths)
         checkpoint.write(output, checkpoint.average(paths))
         print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {output}")
 

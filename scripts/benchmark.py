@@ -49,6 +49,7 @@ from transformer.benchmarking import hardware, marian_model, matmul_peak, our_mo
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
+from transformer.files import atomic_write_text, check_output
 from transformer.losses import adam
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
@@ -75,8 +76,9 @@ class BenchConfig:
     batches: Optional[str] = None  # internal: the file of batches the measurement processes share
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.steps < 1:
-            raise ValueError("rounds and steps must be >= 1")
+        for key, low in (("steps", 1), ("rounds", 1), ("max_tokens", 1), ("threads", 0)):
+            if getattr(self, key) < low:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
 
 
 # --- The same batches for everyone --------------------------------------------------------------
@@ -340,6 +342,8 @@ def ratio(value: float | None) -> str:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, BenchConfig, __doc__)
+        if cfg.output:  # checked now, not after the measurements
+            check_output(cfg.output, [cfg.batches])
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     if cfg.one:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
@@ -382,7 +386,8 @@ def main(argv: list[str]) -> None:
                 f"{row['preset']} {row['precision']} {row['implementation']}: tok/s of the {len(spread)} rounds {spread}"
             )
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps({"hardware": info, "matmul_peak_gflops": peaks, "rows": rows}, indent=2))
+        with exit_on_user_error():
+            atomic_write_text(cfg.output, json.dumps({"hardware": info, "matmul_peak_gflops": peaks, "rows": rows}, indent=2))  # fmt: skip
 
 
 if __name__ == "__main__":

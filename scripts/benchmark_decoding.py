@@ -40,6 +40,7 @@ from transformer.data import DataConfig, load_split
 from transformer.decoder_models import Uncached
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.devices import cpu_has_bf16_matmul, pick_device
+from transformer.files import atomic_write_text, check_output
 from transformer.linear import onednn, onednn_enabled
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
@@ -63,6 +64,13 @@ class BenchConfig:
     )  # part 2: fp32 and/or bf16 (on CPUs with bf16 matrix instructions)
     rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
+
+    def __post_init__(self) -> None:
+        # new_tokens: forced decoding of that many tokens, EOS included; vocab_size: more than the 4 special pieces
+        lows = {"sentences": 1, "beam_size": 1, "vocab_size": 5, "threads": 0, "peer_sentences": 1, "new_tokens": 2, "rounds": 1}  # fmt: skip
+        for key, low in lows.items():
+            if getattr(self, key) < low:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
 
 
 def model_and_tokenizer(cfg: BenchConfig, device):
@@ -182,10 +190,12 @@ def print_peer_rows(rows: list[dict]) -> None:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, BenchConfig, __doc__)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
-    model, tokenizer, model_name = model_and_tokenizer(cfg, device)
+        if cfg.output:  # checked now, not after the measurements
+            check_output(cfg.output, [cfg.checkpoint])
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = pick_device(cfg.device)
+        model, tokenizer, model_name = model_and_tokenizer(cfg, device)
     test = load_split(DataConfig(dir=cfg.data_dir), "test_2016_flickr")
     sources = tokenizer.source.encode(list(test["src"])[: cfg.sentences])
     results = {
@@ -232,7 +242,8 @@ def main(argv: list[str]) -> None:
             results["peers"] = peer_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test), device)
             print_peer_rows(results["peers"])
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps(results, indent=2))
+        with exit_on_user_error():
+            atomic_write_text(cfg.output, json.dumps(results, indent=2))
 
 
 def sources_for_peers(cfg: BenchConfig, tokenizer, test) -> list[list[int]]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +40,7 @@ from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import pick_device
 from transformer.evaluation import score
 from transformer.experiment import prepare_data
+from transformer.files import atomic_write_text, check_output, same_file
 from transformer.gqa import convert_to_gqa, kv_cache_bytes_per_token
 from transformer.training import Trainer
 
@@ -59,6 +60,13 @@ class ConvertConfig:
     results: Optional[str] = None
     device: str = "auto"
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        for key, low in (("n_kv_heads", 1), ("calibration", 1), ("finetune_steps", 0)):  # finetune_steps=0: none
+            if getattr(self, key) < low:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
+        if not 0 < self.finetune_lr < math.inf:
+            raise ValueError(f"finetune_lr={self.finetune_lr} must be > 0 and finite")
 
 
 def bleu_scores(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, device) -> dict[str, float]:
@@ -111,15 +119,17 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, ConvertConfig, __doc__)
         device = pick_device(cfg.device)
         model, tokenizer, payload = checkpoint.load_model(Path(cfg.checkpoint), device)
-        train_cfg = to_config(OmegaConf.create(payload["train_config"]))
+        train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, cfg.checkpoint)))
         try:
             converted_model_check = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         suffix = f"_gqa{cfg.n_kv_heads}" + ("_ft" if cfg.finetune_steps else "")
-        output = Path(cfg.output) if cfg.output else Path(cfg.checkpoint).with_name(Path(cfg.checkpoint).stem + suffix + ".pt")  # fmt: skip
-        if output.resolve() == Path(cfg.checkpoint).resolve():
-            raise ConfigError(f"output={output} is the input checkpoint; choose another path")
+        output = check_output(cfg.output or Path(cfg.checkpoint).with_name(Path(cfg.checkpoint).stem + suffix + ".pt"), [cfg.checkpoint])  # fmt: skip
+        results_path = check_output(cfg.results or output.with_suffix(".json"), [cfg.checkpoint, output], key="results")
+        run_dir = output.with_suffix("")  # where fine-tuning writes its checkpoints
+        if cfg.finetune_steps and same_file(run_dir, Path(cfg.checkpoint).parent):
+            raise ConfigError(f"output={output}: fine-tuning would write into {run_dir}, beside checkpoint={cfg.checkpoint}; choose another output")  # fmt: skip
 
         results: dict = {"checkpoint": cfg.checkpoint, "n_heads": model.cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
         results["kv_cache_bytes_before"] = kv_cache_bytes_per_token(model.cfg)
@@ -127,8 +137,7 @@ def main(argv: list[str]) -> None:
         log.info("scoring the MHA model")
         results["bleu_before"] = bleu_scores(model, tokenizer, train_cfg, cfg, device)
 
-        with tempfile.TemporaryDirectory() as tmp:
-            _, train, valid = prepare_data(train_cfg, Path(tmp), tokenizer)
+        _, train, valid = prepare_data(train_cfg, tokenizer)
         calibration = calibration_batches(train, tokenizer, cfg.calibration, device) if cfg.align else None
         started = time.monotonic()
         try:
@@ -140,7 +149,6 @@ def main(argv: list[str]) -> None:
         results["bleu_converted"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
 
         if cfg.finetune_steps:
-            run_dir = output.with_suffix("")
             run_dir.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             finetune(converted, tokenizer, train_cfg, cfg, train, valid, run_dir)
@@ -148,9 +156,8 @@ def main(argv: list[str]) -> None:
             results["finetune_minutes"] = round((time.monotonic() - started) / 60, 2)
             results["bleu_finetuned"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
 
-        checkpoint.save(output, converted, tokenizer, train_config=payload["train_config"], step=payload["step"], converted_from=cfg.checkpoint)  # fmt: skip
-        results_path = Path(cfg.results) if cfg.results else output.with_suffix(".json")
-        results_path.write_text(json.dumps(results, indent=2) + "\n")
+        checkpoint.save(output, converted, tokenizer, train_config=payload["train_config"], step=payload.get("step", 0), converted_from=cfg.checkpoint)  # fmt: skip
+        atomic_write_text(results_path, json.dumps(results, indent=2) + "\n")
         print(json.dumps(results, indent=2))
         print(f"wrote {output} and {results_path}")
 

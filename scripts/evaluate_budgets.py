@@ -32,6 +32,7 @@ from transformer.cli import parse_args, setup_logging
 from transformer.config import ConfigError, exit_on_user_error, to_config
 from transformer.devices import pick_device
 from transformer.experiment import evaluate_tests
+from transformer.files import atomic_write_text, check_output
 
 
 @dataclass
@@ -41,6 +42,12 @@ class BudgetConfig:
     average: int = 5
     splits: list[str] = field(default_factory=lambda: ["val", "test_2016_flickr", "test_2017_flickr"])
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.minutes or not all(m > 0 for m in self.minutes):
+            raise ValueError(f"minutes={list(self.minutes)} must hold one or more budgets, each > 0")
+        if self.average < 1:  # 1: the best checkpoint only
+            raise ValueError(f"average={self.average} must be >= 1")
 
 
 def validations(run_dir: Path) -> list[dict]:
@@ -60,6 +67,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, BudgetConfig, __doc__)
         run_dir, device = Path(cfg.run), pick_device(cfg.device)
         records = validations(run_dir)
+        out = check_output(run_dir / "budgets.json", [run_dir / "metrics.jsonl"], key=None)
         results = {}
         for budget in cfg.minutes:
             inside = [r for r in records if r["train_minutes"] <= budget]
@@ -80,7 +88,7 @@ def main(argv: list[str]) -> None:
                     path = Path(tmp) / "model.pt"
                     checkpoint.write(path, payload)
                     model, tokenizer, _ = checkpoint.load_model(path, device)
-                train_cfg = to_config(OmegaConf.create(payload["train_config"]))
+                train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, chosen[-1])))
                 train_cfg.data.test_splits = list(cfg.splits)
                 scores = evaluate_tests(train_cfg, run_dir, model, tokenizer, device, tag=f"{budget:g}min.{name}.")
                 results[f"{budget:g}/{name}"] = {
@@ -93,8 +101,7 @@ def main(argv: list[str]) -> None:
                 }
                 for key, s in scores.items():
                     print(f"{budget:g} min {name:>6} ({len(chosen)} ckpt, last step {inside[-1]['step']}): {key} BLEU {s['bleu']:.2f} lc {s['bleu_lc']:.2f} chrF {s['chrf']:.2f}")  # fmt: skip
-        out = run_dir / "budgets.json"
-        out.write_text(json.dumps(results, indent=2) + "\n")
+        atomic_write_text(out, json.dumps(results, indent=2) + "\n")
         print(f"wrote {out}")
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.cli import parse_args
-from transformer.config import exit_on_user_error
+from transformer.config import ConfigError, exit_on_user_error
+from transformer.files import atomic_open, check_output, writing
 
 
 @dataclass
@@ -45,12 +46,17 @@ def main(argv: list[str]) -> None:
             tgt_ids = tokenizer.encode([cfg.target])[0]
         print(f"target: {tokenizer.decode([tgt_ids])[0]}")
         out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for tag, figure in attention_figures(model, tokenizer, src_ids, tgt_ids).items():
-            path = out / f"{tag.replace('/', '_')}.png"
-            figure.savefig(path, dpi=120)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output_dir={out} is not a directory")
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+        figures = attention_figures(model, tokenizer, src_ids, tgt_ids)
+        paths = {tag: check_output(out / f"{tag.replace('/', '_')}.png", [cfg.checkpoint], key=None) for tag in figures}
+        for tag, figure in figures.items():
+            with atomic_open(paths[tag]) as f:
+                figure.savefig(f, format="png", dpi=120)
             plt.close(figure)
-            print(f"wrote {path}")
+            print(f"wrote {paths[tag]}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformer.cli import parse_args
 from transformer.config import ConfigError, exit_on_user_error
+from transformer.files import atomic_open, check_output
 
 
 @dataclass
@@ -43,9 +44,13 @@ def main(argv: list[str]) -> None:
         labels = cfg.labels or [Path(r).name for r in cfg.runs]
         if len(labels) != len(cfg.runs):
             raise ConfigError(f"{len(labels)} labels for {len(cfg.runs)} runs")
+        output = check_output(cfg.output, [Path(run) / "metrics.jsonl" for run in cfg.runs])
         from transformer.plotting import plt
 
         fig, (bleu_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
+        image_format = output.suffix[1:].lower()
+        if image_format not in fig.canvas.get_supported_filetypes():
+            raise ConfigError(f"output={output}: matplotlib cannot write .{image_format} files; use .png, .pdf or .svg")
         for run, label in zip(cfg.runs, labels):
             records = validation_records(Path(run))
             steps = [r["step"] for r in records]
@@ -58,8 +63,9 @@ def main(argv: list[str]) -> None:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        fig.savefig(cfg.output, dpi=120)
-        print(f"wrote {cfg.output}")
+        with atomic_open(output) as f:
+            fig.savefig(f, format=image_format, dpi=120)
+        print(f"wrote {output}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from transformer.config import ConfigError, exit_on_user_error
 from transformer.data import read_parallel
 from transformer.decoding import DecodeConfig, translate
 from transformer.evaluation import score
+from transformer.files import atomic_write_text, check_output
 
 log = logging.getLogger("tune_decoding")
 METRICS = ("bleu", "bleu_lc", "chrf")
@@ -58,6 +60,8 @@ def check(cfg: TuneConfig) -> None:
         raise ConfigError("beam_sizes and length_penalties must each hold at least one value")
     if min(cfg.beam_sizes) < 1:
         raise ConfigError(f"beam_sizes={list(cfg.beam_sizes)}: every beam size must be at least 1")
+    if not all(0 <= alpha < math.inf for alpha in cfg.length_penalties):
+        raise ConfigError(f"length_penalties={list(cfg.length_penalties)}: every penalty must be >= 0 and finite")
     if cfg.src is None and cfg.split.startswith("test"):
         log.warning("tuning on %s: its scores will be optimistic; tune on a validation split", cfg.split)
 
@@ -115,7 +119,7 @@ def main(argv: list[str]) -> None:
         device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.decoding.json")
-        output = Path(cfg.output) if cfg.output else default_output
+        output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])
         rows, signatures = scan(cfg, model, tokenizer, device, src_path, ref_path)
         best = max(rows, key=lambda r: r[cfg.metric])  # max keeps the first of equals: the grid's order
         result = {
@@ -128,7 +132,7 @@ def main(argv: list[str]) -> None:
             "results": rows,
             "best": best,
         }
-        output.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(output, json.dumps(result, indent=2) + "\n")
         print(f"{cfg.metric} on {src_path.name} -> {ref_path.name} ({signatures[cfg.metric]}):\n")
         print(table(rows, cfg.metric, best))
         alpha = best["length_penalty"]

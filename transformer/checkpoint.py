@@ -6,13 +6,14 @@ Everything in it is a tensor or a plain Python value, so it loads with
 
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from .data import DataError
+from .files import atomic_open
 from .model import ModelConfig, Transformer
 from .tokenizer import Tokenizer
 
@@ -43,27 +44,30 @@ def as_tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def tokenizer_of(payload: dict) -> Tokenizer:
-    """The tokenizer saved in a checkpoint's payload (with its separate source model, if any)."""
-    source = payload.get("source_tokenizer")
-    return Tokenizer(
-        payload["tokenizer"].cpu().numpy().tobytes(), None if source is None else source.cpu().numpy().tobytes()
-    )
+def tokenizer_of(payload: dict, path: Path | None = None) -> Tokenizer:
+    """The tokenizer saved in a checkpoint's payload (with its separate source model, if any);
+    `path` (default: payload["path"], if set) names the checkpoint in errors."""
+    source, name = payload.get("source_tokenizer"), path or payload.get("path", "the checkpoint")
+    try:
+        return Tokenizer(as_bytes(payload["tokenizer"]), None if source is None else as_bytes(source))
+    except DataError as e:
+        raise CheckpointError(f"{name}: its tokenizer is damaged ({e})") from None
+
+
+def as_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
 
 
 def write(path: Path, payload: dict) -> None:
     """torch.save to a temporary file in the same directory, fsync, then rename over `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path) as f:
         torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
@@ -77,7 +81,20 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
         raise CheckpointError(f"{path} is not a checkpoint of this toolkit")
     if payload["format_version"] != FORMAT_VERSION:
         raise CheckpointError(f"{path} has format version {payload['format_version']}, expected {FORMAT_VERSION}")
+    check_entries(payload, path)
     return payload
+
+
+def check_entries(payload: dict, path: Path) -> None:
+    """The entries every checkpoint has, of the right kind: a damaged file names what it lacks."""
+    for key, kind in (("model_config", dict), ("model", dict), ("tokenizer", torch.Tensor)):
+        if not isinstance(payload.get(key), kind):
+            what = "no" if key not in payload else f"a {type(payload[key]).__name__} as its"
+            raise CheckpointError(f"{path} is damaged: it has {what} {key!r} entry")
+    if not all(isinstance(t, torch.Tensor) for t in payload["model"].values()):
+        raise CheckpointError(f"{path} is damaged: its 'model' entry holds something other than tensors")
+    if payload["tokenizer"].dtype != torch.uint8:
+        raise CheckpointError(f"{path} is damaged: its 'tokenizer' entry is not bytes ({payload['tokenizer'].dtype})")
 
 
 def numbered(run_dir: Path) -> list[Path]:
@@ -99,8 +116,7 @@ def average(paths: list[Path]) -> dict:
     payloads = [load(p) for p in paths]
     last = payloads[-1]
     for path, payload in zip(paths, payloads):
-        if payload["model_config"] != last["model_config"]:
-            raise CheckpointError(f"{path} has another model config than {paths[-1]}; cannot average")
+        check_averageable(path, payload, paths[-1], last)
     mean = {}
     for name, tensor in last["model"].items():
         if tensor.is_floating_point():
@@ -111,9 +127,73 @@ def average(paths: list[Path]) -> dict:
     return {**keep, "model": mean, "averaged_from": [str(p) for p in paths]}
 
 
+def check_averageable(path: Path, payload: dict, last_path: Path, last: dict) -> None:
+    """Checkpoints average only with the same model config, weights and language pair."""
+    if payload["model_config"] != last["model_config"]:
+        raise CheckpointError(f"{path} has another model config than {last_path}; cannot average")
+    shapes = lambda p: {name: t.shape for name, t in p["model"].items()}  # noqa: E731
+    if shapes(payload) != shapes(last):
+        raise CheckpointError(f"{path} has other weights (names or shapes) than {last_path}; cannot average")
+    pair, last_pair = language_pair(payload.get("train_config")), language_pair(last.get("train_config"))
+    if not same_direction(pair, last_pair):
+        raise CheckpointError(
+            f"{path} translates {direction(pair)}, but {last_path} translates {direction(last_pair)}; cannot average"
+        )
+
+
 def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """Model (in eval mode), tokenizer and the raw payload of a checkpoint."""
     payload = load(path, device)
-    model = Transformer(ModelConfig(**payload["model_config"])).to(device)
-    model.load_state_dict(payload["model"])
-    return model.eval(), tokenizer_of(payload), payload
+    try:
+        model = Transformer(ModelConfig(**payload["model_config"])).to(device)
+    except (TypeError, ValueError, AttributeError) as e:  # unknown keys, values of the wrong type or range
+        raise CheckpointError(f"{path} has a bad model_config: {first_line(e)}") from None
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:  # missing, unexpected or differently shaped weights
+        raise CheckpointError(f"{path}: its weights do not fit its model_config ({first_line(e, skip=1)})") from None
+    tokenizer = tokenizer_of(payload, path)
+    check_vocabulary(path, model.cfg, tokenizer)
+    return model.eval(), tokenizer, payload
+
+
+def check_vocabulary(path: Path, cfg: ModelConfig, tokenizer: Tokenizer) -> None:
+    """The tokenizer in a checkpoint must be the one its model was built for."""
+    for key, size, side in (("vocab_size", cfg.vocab_size, tokenizer), ("src_vocab_size", cfg.src_vocab_size, tokenizer.source)):  # fmt: skip
+        if size is not None and size != len(side):
+            raise CheckpointError(f"{path}: model_config {key}={size}, but its tokenizer has {len(side)} pieces")
+
+
+def first_line(error: Exception, skip: int = 0, limit: int = 200) -> str:
+    """A one-line summary of an exception's message (skipping `skip` header lines, when it has more)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    line = (lines[skip:] or lines or [type(error).__name__])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def language_pair(train_config: dict | None) -> tuple[tuple[str, ...], str] | None:
+    """(source languages, target language) of a checkpoint's training run: data.src_lang first,
+    then data.extra_src_langs (many-to-one), and data.tgt_lang; None when train_config lacks them."""
+    data = train_config.get("data") if isinstance(train_config, dict) else None
+    if not isinstance(data, dict) or not data.get("src_lang") or not data.get("tgt_lang"):
+        return None
+    return (data["src_lang"], *(data.get("extra_src_langs") or [])), data["tgt_lang"]
+
+
+def direction(pair: tuple[tuple[str, ...], str]) -> str:
+    """A language pair as "de->en", or "de,fr->en" for a many-to-one model."""
+    return f"{','.join(pair[0])}->{pair[1]}"
+
+
+def same_direction(a, b) -> bool:
+    """Two language pairs translate the same way: the same main source and the same target (or
+    one of them is unknown)."""
+    return a is None or b is None or (a[0][0], a[1]) == (b[0][0], b[1])
+
+
+def train_config_of(payload: dict, path: Path) -> dict:
+    """The training run's config saved in a checkpoint, for scripts that rebuild its data."""
+    train_config = payload.get("train_config")
+    if not isinstance(train_config, dict) or not isinstance(train_config.get("data"), dict):
+        raise CheckpointError(f"{path} has no train_config with its training data settings, which this script needs")
+    return train_config

@@ -31,7 +31,7 @@ def parse_args(argv: list[str], schema: type, doc: str):
 
 def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
     """(device, the model to decode with: one checkpoint or an Ensemble, its tokenizer, the first payload)."""
-    from .checkpoint import load_model
+    from .checkpoint import direction, language_pair, load_model, same_direction
     from .decoder_models import Ensemble
     from .devices import pick_device
 
@@ -40,7 +40,13 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
     if not ensemble:
         return device, model, tokenizer, payload
     others = [load_model(Path(path), device) for path in ensemble]
-    for path, (_, other_tokenizer, _) in zip(ensemble, others):
+    pair = language_pair(payload.get("train_config"))
+    for path, (_, other_tokenizer, other_payload) in zip(ensemble, others):
+        other_pair = language_pair(other_payload.get("train_config"))
+        if not same_direction(pair, other_pair):
+            raise ConfigError(
+                f"ensemble checkpoint {path} translates {direction(other_pair)}, but {checkpoint} translates {direction(pair)}"
+            )
         if not other_tokenizer.same_as(tokenizer):
             raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
     return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
@@ -64,16 +70,54 @@ class ScoringInputs:
 def source_and_reference(cfg: ScoringInputs, train_config: dict) -> tuple[Path, Path]:
     """The source and reference files to score: cfg.src and cfg.ref when given, else the split
     cfg.split of the training run's corpus (cfg.data_dir, cfg.src_lang, cfg.tgt_lang override it)."""
+    from .checkpoint import language_pair
     from .data import DataConfig, corpus_file
 
     if (cfg.src is None) != (cfg.ref is None):
         raise ConfigError("give both src=PATH and ref=PATH, or neither (then split= is used)")
+    pair = language_pair(train_config)
     if cfg.src is not None:
+        check_file_languages(cfg, pair)
         return Path(cfg.src), Path(cfg.ref)
+    check_split_languages(cfg, pair)
     data = train_config.get("data", {})
     directory = Path(cfg.data_dir or data.get("dir", DataConfig.dir))
     src_lang, tgt_lang = cfg.src_lang or data.get("src_lang"), cfg.tgt_lang or data.get("tgt_lang")
     return corpus_file(directory, cfg.split, src_lang), corpus_file(directory, cfg.split, tgt_lang)
+
+
+def check_split_languages(cfg: ScoringInputs, pair) -> None:
+    """src_lang= and tgt_lang= must be languages the checkpoint translates from and into."""
+    from .checkpoint import direction
+
+    if pair is None:
+        return
+    sources, target = pair
+    for key, lang, fits in (("src_lang", cfg.src_lang, cfg.src_lang in sources), ("tgt_lang", cfg.tgt_lang, cfg.tgt_lang == target)):  # fmt: skip
+        if lang is not None and not fits:
+            raise ConfigError(f"{key}={lang}, but {cfg.checkpoint} translates {direction(pair)}")
+
+
+def check_file_languages(cfg: ScoringInputs, pair) -> None:
+    """A src= file named in the checkpoint's target language, or a ref= file named in one of its
+    source languages, is the wrong way round."""
+    from .checkpoint import direction
+
+    if pair is None:
+        return
+    sources, target = pair
+    src_lang, ref_lang = file_language(cfg.src), file_language(cfg.ref)
+    if src_lang == target and src_lang not in sources:
+        raise ConfigError(f"src={cfg.src} is in {src_lang}, but {cfg.checkpoint} translates {direction(pair)}")
+    if ref_lang in sources and ref_lang != target:
+        raise ConfigError(f"ref={cfg.ref} is in {ref_lang}, but {cfg.checkpoint} translates {direction(pair)}")
+
+
+def file_language(path: str | None) -> str | None:
+    """The language code a file name ends in, as in test.de or test.de.gz (None without one)."""
+    if path is None:
+        return None
+    return Path(Path(path).name.removesuffix(".gz")).suffix[1:] or None
 
 
 def setup_logging() -> None:

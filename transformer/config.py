@@ -6,6 +6,7 @@ dataclasses and never imports Hydra.
 
 from __future__ import annotations
 
+import errno
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from .checkpoint import CheckpointError
 from .data import DataConfig, DataError
 from .decoding import DecodeConfig
 from .errors import ConfigError, TrainingStopped
+from .files import WriteError
 from .model import ModelConfig
 from .trainer_config import TrainerConfig
 
@@ -62,3 +64,16 @@ def exit_on_user_error():
     except TrainingStopped as e:
         print(str(e), file=sys.stderr)
         sys.exit(e.exit_code)
+    except OSError as e:  # permission denied, read-only file system, disk full, a directory, ...
+        print(f"error: {io_error(e)}", file=sys.stderr)
+        sys.exit(2)
+
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG}
+
+
+def io_error(e: OSError) -> str:
+    """'cannot write PATH: reason' (or read): one line for a failed file operation."""
+    verb = "write" if isinstance(e, WriteError) or e.errno in WRITE_ERRNOS else "read"
+    where = f" {e.filename}" if e.filename else ""
+    return f"cannot {verb}{where}: {e.strerror or e}"

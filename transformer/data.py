@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ datasets.disable_progress_bars()
 
 class DataError(Exception):
     """Bad input data; the message names the file, line or key at fault."""
+
+
+SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
 
 @dataclass
@@ -50,7 +54,9 @@ class DataConfig:
     extra_src_langs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.subword_alpha < 0:
+        self.check_sizes()
+        self.check_names()
+        if not 0 <= self.subword_alpha < math.inf:
             raise ValueError(f"data.subword_alpha={self.subword_alpha} must be >= 0 (0: no subword sampling)")
         if self.subword_alpha > 0 and self.spm_model_type != "unigram":
             raise ValueError(f"data.subword_alpha needs data.spm_model_type=unigram, not {self.spm_model_type!r}")
@@ -64,6 +70,25 @@ class DataConfig:
             if list(self.extra_src_langs).count(lang) > 1:
                 raise ValueError(f"data.extra_src_langs: {lang!r} is listed twice")
 
+    def check_sizes(self) -> None:
+        # vocab_size: more pieces than the 4 special ones (pad, unk, bos, eos); max_len: a token and
+        # EOS; spm_sample: 0 trains SentencePiece on every sentence.
+        for key, low in (("vocab_size", 5), ("max_tokens", 1), ("max_len", 2), ("spm_sample", 0), ("subword_nbest", 1)):
+            if getattr(self, key) < low:
+                raise ValueError(f"data.{key}={getattr(self, key)} must be >= {low}")
+        if self.spm_model_type not in SPM_MODEL_TYPES:
+            raise ValueError(f"data.spm_model_type={self.spm_model_type!r} is not one of {SPM_MODEL_TYPES}")
+
+    def check_names(self) -> None:
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}")
+        for key in ("src_lang", "tgt_lang", "train_split", "valid_split"):
+            if not getattr(self, key):
+                raise ValueError(f"data.{key} is empty")
+        for key in ("test_splits", "extra_src_langs"):
+            if not all(getattr(self, key)):
+                raise ValueError(f"data.{key}={list(getattr(self, key))} holds an empty name")
+
 
 # --- Reading ------------------------------------------------------------------------------------
 
@@ -76,6 +101,11 @@ def read_lines(path: Path) -> list[str]:
             raw = f.read()
     except (OSError, EOFError) as e:
         raise DataError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    return decode_lines(raw, str(path))
+
+
+def decode_lines(raw: bytes, name: str) -> list[str]:
+    """The lines of UTF-8 text read from `name` (a file, or standard input), stripped."""
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -83,7 +113,7 @@ def read_lines(path: Path) -> list[str]:
         return [line.decode("utf-8").strip() for line in lines]
     except UnicodeDecodeError:
         bad = next(i for i, line in enumerate(lines, 1) if not _is_utf8(line))
-        raise DataError(f"{path}:{bad}: line is not valid UTF-8") from None
+        raise DataError(f"{name}:{bad}: line is not valid UTF-8") from None
 
 
 def _is_utf8(line: bytes) -> bool:
@@ -178,9 +208,11 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
 
 
 def write_lines(path: Path, lines: list[str]) -> None:
-    """One line per item, UTF-8, each ending in a newline."""
+    """One line per item, UTF-8, each ending in a newline; atomically (a crash leaves no half file)."""
+    from .files import atomic_write_text
+
     try:
-        Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        atomic_write_text(path, "".join(line + "\n" for line in lines))
     except OSError as e:
         raise DataError(f"cannot write {path}: {e.strerror}") from None
 

@@ -23,7 +23,12 @@ class Tokenizer:
 
     def __init__(self, model_bytes: bytes, source_bytes: bytes | None = None):
         self.model_bytes, self.source_bytes = model_bytes, source_bytes
-        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        if not model_bytes:  # SentencePiece would quietly leave the model unloaded
+            raise DataError("not a SentencePiece model: it is empty")
+        try:
+            self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        except RuntimeError:  # how SentencePiece refuses bytes that are not one of its models
+            raise DataError("not a SentencePiece model: its bytes do not parse") from None
         self.pad_id, self.unk_id, self.bos_id, self.eos_id = PAD_ID, UNK_ID, BOS_ID, EOS_ID
         self.source = self if source_bytes is None else Tokenizer(source_bytes)
 
@@ -65,7 +70,10 @@ class Tokenizer:
     def load(cls, path: Path) -> Tokenizer:
         """The model saved at `path`, with its separate source model if one is saved beside it."""
         source = source_path(Path(path))
-        return cls(Path(path).read_bytes(), source.read_bytes() if source.is_file() else None)
+        try:
+            return cls(Path(path).read_bytes(), source.read_bytes() if source.is_file() else None)
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from None
 
     def save(self, path: Path) -> None:
         """The (target or joint) model at `path`; a separate source model beside it, as
