@@ -1,10 +1,14 @@
 """Train a Transformer: `python train.py key=value ...` (Hydra overrides; see configs/)."""
 
+import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
 
 from transformer.config import exit_on_user_error, to_config
 
@@ -12,10 +16,35 @@ from transformer.config import exit_on_user_error, to_config
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
+        config = to_config(cfg)
         from transformer.experiment import run  # after config checks: keeps `--help` and errors fast
 
-        run(to_config(cfg), Path(HydraConfig.get().runtime.output_dir))
+        hydra_cfg = HydraConfig.get()
+        # Written into the run directory only once the run is known to start (configs/config.yaml
+        # keeps Hydra from writing them before the checks).
+        record = {
+            "config.yaml": OmegaConf.to_yaml(cfg),
+            "overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task)),
+        }
+        run(config, Path(hydra_cfg.runtime.output_dir), record=record)
+
+
+@contextmanager
+def hydra_errors_in_one_line():
+    """Hydra's own errors (an unknown config group or key, a malformed override) and failures before
+    the run starts (a run directory it cannot create) as one 'error: ...' line and exit status 2."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them instead of printing them over many lines
+    try:
+        yield
+    except HydraException as e:
+        lines = str(e).strip().splitlines()
+        options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+        detail = f" ({str(e.__cause__).strip().splitlines()[0]})" if e.__cause__ else ""
+        detail += f"; available: {', '.join(options)}" if options else ""
+        print(f"error: {lines[0]}{detail}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    with exit_on_user_error(), hydra_errors_in_one_line():
+        main()

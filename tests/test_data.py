@@ -226,7 +226,7 @@ def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_pat
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     data = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"], streaming=streaming)
     with pytest.raises(ZeroDivisionError):  # stop once the text is handed over
-        experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), tmp_path, load_split(data, "train"))
+        experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), load_split(data, "train"))
     assert sorted(seen[0]) == sorted(lines["en"] + lines["fr"] + lines["de"])
 
 

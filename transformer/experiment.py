@@ -19,8 +19,10 @@ from . import checkpoint, distributed
 from .checkpoint import CheckpointError
 from .config import USER_ERRORS
 from .data import (
+    DataError,
     TokenizedCorpus,
     clean_training_pairs,
+    corpus_file,
     filter_long,
     load_split,
     primary_rows,
@@ -33,8 +35,9 @@ from .decoding import translate_corpus
 from .devices import autocast_dtype, pick_device, require_cpp_compiler
 from .errors import ConfigError
 from .evaluation import score
+from .files import write_texts
 from .model import Transformer, count_parameters
-from .resume import check_compatible, clear_run, make_deterministic, resume_path
+from .resume import check_compatible, clear_run, make_deterministic, remove_unfinished, resume_path
 from .tokenizer import Tokenizer
 from .training import Trainer, to_plain
 
@@ -47,10 +50,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
+def train_tokenizer(cfg, train_ds) -> Tokenizer:
     """The joint SentencePiece model of both sides of the training split, or with
-    data.joint_vocab=false one model per side, saved as spm.model (and spm.src.model for a separate
-    source side); a resumed run takes them from its checkpoint instead."""
+    data.joint_vocab=false one model per side; a resumed run takes them from its checkpoint instead."""
     started = time.monotonic()
     sides = [("src", "tgt")] if cfg.data.joint_vocab else [("tgt",), ("src",)]
     models = []
@@ -66,7 +68,6 @@ def train_tokenizer(cfg, run_dir: Path, train_ds) -> Tokenizer:
             text = [line for c in columns for line in (targets_once if c == "tgt" else train_ds)[c]]
             models.append(Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type))
     tokenizer = Tokenizer(models[0].model_bytes, None if cfg.data.joint_vocab else models[1].model_bytes)
-    tokenizer.save(run_dir / "spm.model")
     what = f"a {len(tokenizer)}-piece {cfg.data.spm_model_type} tokenizer"
     if not tokenizer.joint:
         sizes = f"{len(tokenizer.source)} pieces for the source and {len(tokenizer)} for the target"
@@ -85,19 +86,24 @@ def build_model(cfg, tokenizer: Tokenizer, device: torch.device) -> Transformer:
     return model
 
 
-def prepare_data(
-    cfg, run_dir: Path, tokenizer: Tokenizer | None, save: bool = True
-) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
-    """Training and validation splits as token ids; the tokenizer is trained unless given.
-    save=False leaves run_dir/spm.model alone (ranks other than 0)."""
+def prepare_data(cfg, tokenizer: Tokenizer | None) -> tuple[Tokenizer, TokenizedCorpus, TokenizedCorpus]:
+    """Training and validation splits as token ids; the tokenizer is trained unless given. The
+    test splits are checked to exist, so that a missing one fails now, not after training."""
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
     valid_ds = load_split(cfg.data, cfg.data.valid_split)
+    if not cfg.data.hub_name:
+        for split in cfg.data.test_splits:
+            for lang in (cfg.data.src_lang, cfg.data.tgt_lang):
+                corpus_file(Path(cfg.data.dir), split, lang)
     if tokenizer is None:
-        tokenizer = train_tokenizer(cfg, run_dir, train_ds)
-    elif save:
-        tokenizer.save(run_dir / "spm.model")
+        tokenizer = train_tokenizer(cfg, train_ds)
     tokenized = tokenize_mapped(train_ds, tokenizer) if cfg.data.streaming else tokenize(train_ds, tokenizer)
     train = filter_long(tokenized, cfg.data.max_len)
+    if len(train) == 0:
+        raise DataError(
+            f"no training pairs left: all {len(tokenized)} pairs of split {cfg.data.train_split!r} have a side "
+            f"longer than data.max_len={cfg.data.max_len} tokens"
+        )
     sources = ", ".join([cfg.data.src_lang, *cfg.data.extra_src_langs])
     log.info("%d training pairs (%s -> %s), %d validation pairs", len(train), sources, cfg.data.tgt_lang, len(valid_ds))
     return tokenizer, train, tokenize(valid_ds, tokenizer)
@@ -106,8 +112,6 @@ def prepare_data(
 def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     """The checkpoint this run continues from (trainer.resume, or the run directory's own), checked
     to hold the same configuration; None for a fresh start."""
-    if cfg.trainer.overwrite and not cfg.trainer.resume:
-        clear_run(run_dir)
     path = resume_path(cfg.trainer.resume, run_dir, cfg.trainer.overwrite)
     if path is None:
         return None
@@ -202,11 +206,12 @@ def remove_hydra_only_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None) -> dict:
+def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None, record: dict | None = None) -> dict:
     """Train (or resume), then evaluate the best checkpoint on the test splits (unless tests=False).
     Returns the test scores (on rank 0; other ranks of a distributed run return an empty dict after
     training). trainer.members > 1 trains several models at once and ensembles them (members.py).
-    A given tokenizer is used instead of training one (members share their parent's)."""
+    A given tokenizer is used instead of training one (members share their parent's). `record`:
+    {file name: text} written under run_dir/.hydra once the run is known to start."""
     if cfg.trainer.compile:
         require_cpp_compiler(pick_device(cfg.trainer.device))
     if cfg.trainer.members > 1:
@@ -214,24 +219,28 @@ def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = No
 
         if distributed.launched():
             raise ConfigError("trainer.members > 1 trains in separate processes; it cannot run under torchrun")
-        return run_members(cfg, Path(run_dir))
+        return run_members(cfg, Path(run_dir), record)
     world, device, run_dir = join_world(cfg, Path(run_dir))
     try:
-        return run_in_world(cfg, run_dir, world, device, tests, tokenizer)
+        return run_in_world(cfg, run_dir, world, device, tests, tokenizer, record)
     finally:
         distributed.stop(world)
 
 
-def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: Tokenizer | None = None):
-    """(checkpoint to resume or None, tokenizer, train, valid). Rank 0 alone clears the directory,
-    checks what to resume and trains the tokenizer; the others then read what it decided (and
-    stop quietly if it refused the run)."""
+def prepare_in_world(
+    cfg, run_dir: Path, world: distributed.World, tokenizer: Tokenizer | None = None, record: dict | None = None
+):
+    """(checkpoint to resume or None, tokenizer, train, valid). Rank 0 alone checks what to resume,
+    loads the data and trains the tokenizer, and only then, the run known to start, touches the run
+    directory (start_run); the others then read what it decided (and stop quietly if it refused
+    the run)."""
     resumed, failure = None, None
     if world.is_main:
         try:
             resumed = checkpoint_to_resume(cfg, run_dir)
             saved_tokenizer = checkpoint.tokenizer_of(resumed) if resumed else tokenizer
-            tokenizer, train, valid = prepare_data(cfg, run_dir, saved_tokenizer)
+            tokenizer, train, valid = prepare_data(cfg, saved_tokenizer)
+            start_run(cfg, run_dir, tokenizer, resumed["step"] if resumed else 0, record)
         except USER_ERRORS as e:
             failure = e
     failed, resume_file = world.broadcast((failure is not None, resumed["path"] if resumed else None))
@@ -241,8 +250,19 @@ def prepare_in_world(cfg, run_dir: Path, world: distributed.World, tokenizer: To
         sys.exit(2)  # rank 0 has printed the error
     if not world.is_main:
         resumed = checkpoint.load(resume_file) if resume_file else None
-        tokenizer, train, valid = prepare_data(cfg, run_dir, Tokenizer.load(run_dir / "spm.model"), save=False)
+        tokenizer, train, valid = prepare_data(cfg, Tokenizer.load(run_dir / "spm.model"))
     return resumed, tokenizer, train, valid
+
+
+def start_run(cfg, run_dir: Path, tokenizer: Tokenizer, step: int, record: dict | None) -> None:
+    """The first change to the run directory: an earlier run cleared (trainer.overwrite), what a
+    killed one left after `step` removed, the tokenizer saved and `record` ({file name: text}, the
+    composed config) written under .hydra/."""
+    if cfg.trainer.overwrite and not cfg.trainer.resume:
+        clear_run(run_dir)
+    remove_unfinished(run_dir, step)
+    tokenizer.save(run_dir / "spm.model")
+    write_texts(run_dir / ".hydra", record or {})
 
 
 def training_summary(trainer: Trainer, best: dict, run_dir: Path) -> dict:
@@ -275,6 +295,7 @@ def run_in_world(
     device: torch.device,
     tests: bool = True,
     tokenizer: Tokenizer | None = None,
+    record: dict | None = None,
 ) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
@@ -289,11 +310,14 @@ def run_in_world(
         autocast_dtype(cfg.trainer.precision, device),
         f", {world.size} processes" if world.distributed else "",
     )
-    resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer)
+    resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer, record)
     model = build_model(cfg, tokenizer, device)
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:
         trainer.restore(resumed)
+    if world.is_main:
+        trainer.monitor.start(trainer.state.step)
+        trainer.restore_best()
     if world.rank:  # different dropout on each rank; rank 0 draws exactly as a single process would
         torch.manual_seed(cfg.seed + 1000 * world.rank + trainer.state.step)
     trainer.fit()

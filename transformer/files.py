@@ -113,3 +113,10 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     """`text` as UTF-8."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_texts(directory: str | Path, texts: dict[str, str]) -> None:
+    """{file name: text} written into `directory` (made if missing), each atomically."""
+    for name, text in texts.items():
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(directory) / name, text)

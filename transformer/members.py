@@ -30,6 +30,7 @@ from .config import exit_on_user_error
 from .data import tokenize
 from .decoding import translate_corpus
 from .errors import ConfigError, TrainingStopped
+from .files import write_texts
 from .resume import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ def shared_tokenizer(cfg, run_dir: Path):
     if (run_dir / "spm.model").exists() and not cfg.trainer.overwrite:
         return Tokenizer.load(run_dir / "spm.model")
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
-    return train_tokenizer(cfg, run_dir, train_ds)
+    tokenizer = train_tokenizer(cfg, train_ds)
+    tokenizer.save(run_dir / "spm.model")
+    return tokenizer
 
 
 def train_members(cfg, run_dir: Path) -> list[Path]:
@@ -183,7 +186,7 @@ def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tu
     return max(scores, key=scores.get), scores  # the first listed wins a tie: the fewest checkpoints
 
 
-def run_members(cfg, run_dir: Path) -> dict:
+def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     """Train the members, choose their ensemble on validation, score it on the test splits and
     write results.json (the members' own summaries included)."""
     from .data import load_split
@@ -193,6 +196,7 @@ def run_members(cfg, run_dir: Path) -> dict:
         raise ConfigError("trainer.resume names one run; with trainer.members > 1 run the same command again instead")
     started = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
+    write_texts(run_dir / ".hydra", record or {})
     dirs = train_members(cfg, run_dir)
     options = candidates(dirs)
     chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))

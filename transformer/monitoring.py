@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
+from .files import atomic_write_text
+
 if TYPE_CHECKING:
     from .data import Batch
 
@@ -49,13 +51,34 @@ def flat_scalars(config: dict, prefix: str = "") -> dict:
     return out
 
 
+def record_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinite for a line a killed process left unfinished."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return math.inf
+
+
 class Monitor:
-    """One SummaryWriter per run (written by the process that trains; rank 0 when distributed)."""
+    """One SummaryWriter per run (written by the process that trains; rank 0 when distributed).
+
+    `start(step)` must come first: a run that starts (or resumes) at `step` keeps only the records
+    up to it, so the steps a resumed run trains again are not logged twice."""
 
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled
-        self.writer = SummaryWriter(str(self.run_dir / "tensorboard")) if enabled else None
+        self.writer: SummaryWriter | None = None
         self.bar = None
+
+    def start(self, step: int) -> None:
+        """Drop metrics.jsonl records and TensorBoard events after `step`, then open the writer."""
+        if not self.enabled:
+            return
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.is_file():
+            kept = [line for line in metrics.read_text(encoding="utf-8").splitlines() if record_step(line) <= step]
+            atomic_write_text(metrics, "".join(line + "\n" for line in kept))
+        self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1 if step else None)
 
     def record(self, record: dict) -> None:
         """One JSON object per line in metrics.jsonl: the run's numbers, for plots and checks."""
@@ -162,6 +185,16 @@ class Throughput:
         self.padded += sum(b.src.numel() + b.tgt_out.numel() for b in batches)  # shapes: no device sync
         self.loss = self.loss + loss.detach()
         self.steps += 1
+
+    def state(self) -> dict:
+        """What a resumed run needs to log the same mean loss and padding as an uninterrupted one."""
+        loss = self.loss.detach().cpu() if isinstance(self.loss, Tensor) else self.loss
+        return {"loss": loss, "steps": self.steps, "local_tokens": self.local_tokens, "padded": self.padded}
+
+    def restore(self, state: dict, device) -> None:
+        loss = state["loss"]
+        self.loss = loss.to(device) if isinstance(loss, Tensor) else loss
+        self.steps, self.local_tokens, self.padded = state["steps"], state["local_tokens"], state["padded"]
 
     def flush(self) -> tuple[float, float, float]:
         """(mean loss, tokens per second, fraction of padding) of the interval; starts a new one."""

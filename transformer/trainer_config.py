@@ -48,20 +48,36 @@ class TrainerConfig:
     members: int = 1  # models trained at once (seeds seed..seed+N-1, cores/N threads each), then ensembled
 
     def __post_init__(self) -> None:
+        self.check_ranges()
         if not 0.0 <= self.cooldown <= 1.0:
             raise ValueError(f"trainer.cooldown={self.cooldown} must be a fraction of the budget, between 0 and 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
-        if self.members < 1:
-            raise ValueError(f"trainer.members={self.members} must be >= 1")
-        if self.accumulate < 1 or self.eval_every < 1 or self.log_every < 1 or self.warmup_steps < 1:
-            raise ValueError("trainer.accumulate, eval_every, log_every and warmup_steps must be >= 1")
         if self.average_last > self.keep_last:
             raise ValueError(
                 f"trainer.average_last={self.average_last} needs trainer.keep_last >= it, not {self.keep_last}"
             )
+
+    def check_ranges(self) -> None:
+        """Counts of at least 1, or 0 where 0 means none, off or no limit; finite rates and weights."""
+        for key in ("warmup_steps", "accumulate", "max_steps", "eval_every", "log_every", "max_bad_steps", "members"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 1")
+        for key in ("threads", "max_epochs", "max_minutes", "patience", "keep_last", "average_last"):
+            if not getattr(self, key) >= 0:  # also refuses NaN
+                raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 0")
+        for key in ("weight_decay", "clip_norm", "rdrop"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 0 and finite")
+        for key in ("lr", "eps"):
+            if not 0 < getattr(self, key) < math.inf:
+                raise ValueError(f"trainer.{key}={getattr(self, key)} must be > 0 and finite")
+        if not 0 <= self.label_smoothing < 1:
+            raise ValueError(f"trainer.label_smoothing={self.label_smoothing} is not in [0, 1)")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
 
 
 @dataclass
@@ -70,6 +86,7 @@ class TrainState:
     epoch: int = 1
     batch_in_epoch: int = 0  # batches of the current epoch already consumed
     best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
+    best_step: int = 0  # the step of checkpoint_best.pt (0: none yet)
     bad_evals: int = 0
     bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
     train_tokens: int = 0  # non-padding source + target tokens seen

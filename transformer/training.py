@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import checkpoint
-from .data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
+from .data import Batch, DataError, SubwordSampler, TokenizedCorpus, collate, token_batches
 from .devices import autocast_dtype
 from .distributed import World
 from .errors import TrainingStopped
@@ -75,6 +75,8 @@ class Trainer:
         self.grad_norm = torch.zeros(())
         self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
         self.started = time.monotonic()  # the training clock's zero (set again by fit, for resumed runs)
+        self.window = Throughput()  # the steps since the last log line
+        self.best_model: dict | None = None  # the weights of checkpoint_best.pt, on the CPU
         self.epoch_size = 1  # batches in the current epoch on this rank
         self.sampler: SubwordSampler | None = None  # with data.subword_alpha
         self._sampled: tuple[int, TokenizedCorpus | None] = (0, None)  # (epoch, its segmentation)
@@ -116,6 +118,8 @@ class Trainer:
         while True:
             batches = self.rank_batches(self.state.epoch)
             self.epoch_size = len(batches)
+            if not batches:  # (an empty epoch would loop forever)
+                raise DataError(f"epoch {self.state.epoch} has no training batches for process {self.world.rank}")
             while self.state.batch_in_epoch < len(batches):
                 indices = batches[self.state.batch_in_epoch]
                 self.state.batch_in_epoch += 1
@@ -257,6 +261,8 @@ class Trainer:
     # ---- checkpoints
 
     def save(self, name: str, with_optimizer: bool = True) -> Path:
+        """A weights-only checkpoint, or with_optimizer a resumable one: everything `restore` needs,
+        the best checkpoint's weights among it when they are not the current ones."""
         path = self.run_dir / name
         extra = {}
         if with_optimizer:
@@ -265,7 +271,10 @@ class Trainer:
                 "scaler": self.scaler.state_dict(),
                 "train_state": vars(self.state).copy(),
                 "rng": rng_states(),
+                "log_window": self.window.state(),
             }
+            if self.state.best_step != self.state.step and self.best_model is not None:
+                extra["best_model"] = self.best_model
         checkpoint.save(
             path, self.model, self.tokenizer, train_config=to_plain(self.cfg), step=self.state.step, **extra
         )
@@ -273,12 +282,19 @@ class Trainer:
 
     def restore(self, payload: dict) -> None:
         """Continue exactly where a checkpoint written by `save` left off: weights, optimizer,
-        scaler, step, epoch, position in the epoch's batches and every random generator."""
+        scaler, step, epoch, position in the epoch's batches, every random generator, the log
+        line's window and the best checkpoint's weights."""
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scaler.load_state_dict(payload["scaler"])
         self.state = TrainState(**payload["train_state"])
         set_rng_states(payload["rng"])
+        if "log_window" in payload:
+            self.window.restore(payload["log_window"], self.device)
+        if self.state.best_step == self.state.step:
+            self.best_model = cpu_copy(self.model.state_dict())
+        elif "best_model" in payload:
+            self.best_model = payload["best_model"]
         log.info(
             "resumed at step %d (epoch %d, batch %d of the epoch)",
             self.state.step,
@@ -294,17 +310,38 @@ class Trainer:
         checkpoint.keep_newest(self.run_dir, self.tcfg.keep_last)
 
     def after_validation(self, value: float) -> bool:
-        """Track the best score and save checkpoints; return True when early stopping says to stop."""
+        """Track the best score and save checkpoints; return True when early stopping says to stop.
+
+        The files are written so that a crash between any two leaves a consistent run: the
+        numbered checkpoint first (a resumed run writes it again), then checkpoint_last.pt, which
+        commits the validation and holds what checkpoint_best.pt is made of, then the best."""
         improved = value > self.state.best_score
         if improved:
-            self.state.best_score, self.state.bad_evals = value, 0
+            self.state.best_score, self.state.best_step, self.state.bad_evals = value, self.state.step, 0
+            self.best_model = cpu_copy(self.model.state_dict())
         else:
             self.state.bad_evals += 1
-        self.save("checkpoint_last.pt")  # after the update, so a resumed run knows the best score
         self.save_numbered()
+        self.save("checkpoint_last.pt")
         if improved:
-            self.save("checkpoint_best.pt")
+            self.save("checkpoint_best.pt", with_optimizer=False)
         return not improved and 0 < self.tcfg.patience <= self.state.bad_evals
+
+    def restore_best(self) -> None:
+        """Make checkpoint_best.pt hold the best weights that checkpoint_last.pt records (a crash
+        between the two, or a run resumed into a new directory, leaves it stale or missing)."""
+        path = self.run_dir / "checkpoint_best.pt"
+        if not self.state.best_step or (path.is_file() and checkpoint.load(path)["step"] == self.state.best_step):
+            return
+        if self.best_model is None:  # a checkpoint from before best_model was saved with it
+            log.warning("%s is missing or stale and the resumed checkpoint lacks its weights; the next validation writes it", path)  # fmt: skip
+            self.state.best_score, self.state.best_step = -math.inf, 0
+            return
+        current = cpu_copy(self.model.state_dict())
+        self.model.load_state_dict(self.best_model)
+        checkpoint.save(path, self.model, self.tokenizer, train_config=to_plain(self.cfg), step=self.state.best_step)
+        self.model.load_state_dict(current)
+        log.info("wrote %s (step %d) from the resumed checkpoint", path, self.state.best_step)
 
     # ---- the loop
 
@@ -320,7 +357,7 @@ class Trainer:
 
     def fit(self) -> None:
         self.started = started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
-        stream, window = self.batch_stream(), Throughput()
+        stream, window = self.batch_stream(), self.window
         reason, interrupted, validated = self.stop_reason(started), False, True
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
             while reason is None and not interrupted:
@@ -373,6 +410,7 @@ class Trainer:
             valid_started = time.monotonic()
             value = self.validate()
             self.state.valid_seconds += time.monotonic() - valid_started
+            self.state.train_seconds = time.monotonic() - started  # the saved clock counts this validation
             if self.after_validation(value):
                 reason = f"no better validation score in trainer.patience={self.tcfg.patience} validations"
         return self.world.broadcast(reason)
@@ -392,6 +430,10 @@ class Trainer:
             "step %d epoch %d: loss %.3f lr %.2e %.0f tok/s",
             self.state.step, self.state.epoch, loss, lr, tok_per_s,
         )  # fmt: skip
+
+
+def cpu_copy(state_dict: dict) -> dict:
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state_dict.items()}
 
 
 def to_plain(cfg) -> dict:
