@@ -1,6 +1,7 @@
 # make setup: .venv with the CPU build of torch and this project (editable); safe to run again.
 # make train: the default recipe (Multi30k de->en): train, evaluate on the test sets, show samples.
-# make test:  the test suite.
+# make test:  the import contracts (lint-imports), then the test suite.
+# make lint:  ruff and the import contracts.
 # make bench: speed against peer implementations (installs transformers for the HF baseline).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -19,8 +20,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 train: setup
 	$(BIN)/python train.py
 
+# The import contracts first (pyproject.toml, [tool.importlinter]): a broken one fails the suite.
 # pytest exits with 5 when it collects no tests; that is not a failure of the suite.
 test: setup
+	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/python -m pytest || [ $$? -eq 5 ]
 
 # Training throughput against torch.nn.Transformer and HF MarianMT, then decoding with and without the cache.
@@ -32,3 +35,4 @@ bench: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports --no-cache --no-logo

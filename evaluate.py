@@ -6,6 +6,7 @@
 
 Arguments (key=value, as for train.py):
     checkpoint=PATH   ensemble=[PATH,...]   device=auto|cpu|cuda
+    runtime.fast=true false: decode with the reference model, without the speed paths
     split=NAME        a split of the training run's corpus (data.dir and languages from the checkpoint;
                       override with data_dir=, src_lang=, tgt_lang=)
     src=PATH ref=PATH a source file and its reference translations instead of a split
@@ -21,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import ScoringInputs, load_decoder, parse_args, setup_logging, source_and_reference
-from transformer.config import exit_on_user_error
+from transformer.cli import ScoringInputs, parse_args, setup_logging, source_and_reference
 from transformer.data import read_parallel, write_lines
-from transformer.decoding import DecodeConfig, translate
+from transformer.decoding import DecodeConfig, load_decoder, translate
+from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import check_output
 from transformer.monitoring import progress_bar
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, EvaluateConfig, __doc__)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         label = cfg.decode.label
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")

@@ -10,14 +10,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.config import exit_on_user_error, to_config
+from transformer.config import register_schema, to_config
+from transformer.errors import exit_on_user_error
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         config = to_config(cfg)
-        from transformer.experiment import run  # after config checks: keeps `--help` and errors fast
+        from transformer.training import run  # after config checks: keeps `--help` and errors fast
 
         hydra_cfg = HydraConfig.get()
         # Written into the run directory only once the run is known to start (configs/config.yaml
@@ -31,20 +32,31 @@ def main(cfg: DictConfig) -> None:
 
 @contextmanager
 def hydra_errors_in_one_line():
-    """Hydra's own errors (an unknown config group or key, a malformed override) and failures before
-    the run starts (a run directory it cannot create) as one 'error: ...' line and exit status 2."""
+    """Hydra's own errors (an unknown config group or key, a malformed override, a value of the
+    wrong type) and failures before the run starts (a run directory it cannot create) as one
+    'error: ...' line and exit status 2."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises them instead of printing them over many lines
     try:
         yield
     except HydraException as e:
-        lines = str(e).strip().splitlines()
-        options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
-        detail = f" ({str(e.__cause__).strip().splitlines()[0]})" if e.__cause__ else ""
-        detail += f"; available: {', '.join(options)}" if options else ""
-        print(f"error: {lines[0]}{detail}", file=sys.stderr)
+        print(f"error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 
+def hydra_error_line(e: HydraException) -> str:
+    lines = str(e).strip().splitlines()
+    first = lines[0]
+    if first.endswith("raised while composing config:") and len(lines) > 1:  # a bad key or value in a YAML file
+        where = first.split(":")[0]  # In 'experiment/NAME'
+        key = next((line.split("full_key:")[1].strip() for line in lines if "full_key:" in line), None)
+        first = f"{where}: " + (f"config key {key}: " if key else "") + lines[1].strip()
+    options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
+    detail = f" ({str(e.__cause__).strip().splitlines()[0]})" if e.__cause__ else ""
+    detail += f"; available: {', '.join(options)}" if options else ""
+    return first + detail
+
+
 if __name__ == "__main__":
+    register_schema()
     with exit_on_user_error(), hydra_errors_in_one_line():
         main()

@@ -8,6 +8,7 @@ Arguments (key=value, as for train.py):
     ensemble=[PATH,...]        more checkpoints with the same tokenizer; probabilities are averaged
     input=PATH output=PATH     default: stdin and stdout
     device=auto|cpu|cuda
+    runtime.fast=true          false: decode with the reference model, without the speed paths
     decode.strategy=beam|greedy|sample   decode.beam_size=5   decode.length_penalty=0.6
     decode.n_best=N            N > 1 writes N lines per input: index <TAB> score <TAB> translation
     decode.max_tokens=8192     source tokens per batch
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.checkpoint import direction, language_pair
-from transformer.cli import file_language, load_decoder, parse_args, setup_logging
-from transformer.config import exit_on_user_error
+from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import decode_lines, read_lines, write_lines
-from transformer.decoding import DecodeConfig, Hypothesis, translate_texts
+from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, translate_texts
+from transformer.errors import exit_on_user_error
+from transformer.fast import RuntimeConfig
 from transformer.files import check_output
 from transformer.monitoring import progress_bar
 
@@ -42,6 +44,7 @@ class TranslateConfig:
     output: Optional[str] = None
     device: str = "auto"
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
 
 def read_input(path: str | None) -> list[str]:
@@ -70,7 +73,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, TranslateConfig, __doc__)
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
         warn_if_target_language(cfg.input, payload)
         lines = read_input(cfg.input)
         if not lines:

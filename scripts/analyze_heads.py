@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.cli import parse_args
-from transformer.config import exit_on_user_error
 from transformer.decoding import DecodeConfig
+from transformer.errors import exit_on_user_error
+from transformer.fast import accelerate
 from transformer.files import atomic_open, check_output
 
 
@@ -73,6 +74,7 @@ def main(argv: list[str]) -> None:
         from transformer.plotting import head_heatmap, plt
 
         model, tokenizer, payload = load_model(Path(cfg.checkpoint), cfg.device)
+        model = accelerate(model)
         data = data_config(cfg, payload)
         output, confidence_output = output_paths(cfg, data)
         ds = load_split(data, cfg.split)

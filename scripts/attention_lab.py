@@ -27,9 +27,9 @@ import torch
 
 from transformer.checkpoint import load_model, train_config_of
 from transformer.cli import parse_args
-from transformer.config import ConfigError, exit_on_user_error
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, translate
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_write_text, check_output
 from transformer.gqa import kv_cache_bytes_per_token
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 from transformer import checkpoint
 from transformer.cli import parse_args
-from transformer.config import ConfigError, exit_on_user_error
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import check_output
 
 

@@ -12,10 +12,11 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   hf-marian     transformers' MarianMTModel (only if `transformers` is installed: pip install -e ".[bench]")
   ours-compile, ours-recompute   ours with trainer.compile / trainer.recompute (on request, e.g.
                 implementations=[ours,ours-compile,ours-recompute])
-  ours-blas     ours with the oneDNN path of transformer/linear.py off: fp32 products on torch's
-                BLAS, as in torch and hf-marian (on request)
-  ours-logits   ours with trainer.chunked_loss=false: full (tokens, vocab) logits and torch's
+  ours-blas     ours with runtime.onednn_linear=false: fp32 products on torch's BLAS, as in torch
+                and hf-marian (on request)
+  ours-logits   ours with runtime.chunked_loss=false: full (tokens, vocab) logits and torch's
                 cross-entropy, as in torch and hf-marian, not the chunked loss (on request)
+  ours-reference  the reference model without any speed path (runtime=reference; on request)
   ours-foreach  ours with torch's default (foreach) Adam instead of the fused one that the trainer
                 and every other implementation here use (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
@@ -47,16 +48,16 @@ import torch.nn.functional as F
 
 from transformer.benchmarking import hardware, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
-from transformer.config import ConfigError, exit_on_user_error
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_write_text, check_output
-from transformer.losses import adam
+from transformer.training.optimizer import adam
 
 PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
 }
-IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, -recompute, -blas, -logits, -foreach
+IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, -recompute, -blas, -logits, -foreach, -reference
 VOCAB = 8000
 
 
@@ -107,15 +108,15 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 # --- The three implementations, each as (model, loss function) ----------------------------------
 
 
-def build_ours(
-    layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, onednn: bool = True, chunked=True
-):
-    """Our model and the trainer's loss; the flags as trainer.compile, recompute and chunked_loss."""
-    from transformer.linear import set_onednn
-    from transformer.losses import training_objective
+def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, **runtime):
+    """Our model and the trainer's loss; the flags as trainer.compile and trainer.recompute, and
+    `runtime` the fields of a RuntimeConfig (default: every speed path)."""
+    from transformer.fast import RuntimeConfig
+    from transformer.training.objective import training_objective
 
-    set_onednn(onednn)  # each measurement has its own process
-    model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1)
+    runtime = RuntimeConfig(**runtime)
+    chunked = runtime.fast and runtime.chunked_loss
+    model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1, runtime=runtime)
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
 
@@ -123,8 +124,9 @@ def build_ours(
         out = forward(src, tgt_in, project=not chunked)
         device = src.device.type  # called under autocast when measuring bf16, as the trainer's forward is
         amp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        weight = model.output_weight if chunked else None
         with torch.autocast(device, enabled=False):  # the trainer computes its loss outside autocast
-            return training_objective(out, tgt_out, 0, 0.1, 0.0, model.output_weight if chunked else None, amp_dtype)[0]
+            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn_linear)[0]
 
     return model, loss
 
@@ -185,8 +187,9 @@ BUILDERS = {
     "ours": build_ours,
     "ours-compile": partial(build_ours, compile=True),
     "ours-recompute": partial(build_ours, recompute=True),
-    "ours-blas": partial(build_ours, onednn=False),
-    "ours-logits": partial(build_ours, chunked=False),
+    "ours-blas": partial(build_ours, onednn_linear=False),
+    "ours-logits": partial(build_ours, chunked_loss=False),
+    "ours-reference": partial(build_ours, fast=False),
     "ours-foreach": build_ours,  # the optimizer differs: measure_one
     "torch": build_torch,
     "hf-marian": build_hf,
@@ -215,7 +218,7 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
     batches = torch.load(cfg.batches) if cfg.batches else real_batches(cfg, cfg.steps + 2)
     model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff)
     model.to(device).train()
-    fused = impl != "ours-foreach"  # the trainer's Adam (transformer/losses.py), for every implementation
+    fused = impl != "ours-foreach"  # the trainer's Adam (transformer/training/optimizer.py), for every implementation
     optimizer = adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, 0.0, device, fused=fused)
     dtype = torch.bfloat16 if precision == "bf16" else None
     tokens, flops, elapsed, warm_tokens, warm_elapsed, update_elapsed, timed_steps = 0, 0.0, 0.0, 0, 0.0, 0.0, 0
@@ -257,15 +260,10 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
 
 
 def child_environment(impl: str) -> dict:
-    """The environment of a measurement's process. transformer.linear bounds oneDNN's primitive
-    caches when imported (the torch baseline imports it for its positional encoding); the peers
-    run with oneDNN's default of 1024 entries, as their users have it."""
-    from transformer.linear import CACHE_VARIABLES_SET
-
-    env = dict(os.environ)
-    if not impl.startswith("ours"):
-        env.update({variable: "1024" for variable in CACHE_VARIABLES_SET})
-    return env
+    """The environment of a measurement's process: this one's. Ours bounds oneDNN's primitive
+    caches where its speed paths are installed (transformer/fast/linear.py); the peers run with
+    oneDNN's defaults, as their users have them."""
+    return dict(os.environ)
 
 
 def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> dict | None:

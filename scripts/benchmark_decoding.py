@@ -15,7 +15,8 @@ against Hugging Face transformers' `generate` at the same model size.
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
    On a GPU, and where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run
    under bf16 autocast (our decode.precision=bf16). On a GPU each is run once untimed first.
-   In fp32 `ours-blas` is ours with transformer/linear.py's oneDNN path off (torch's BLAS, as HF uses).
+   In fp32 `ours-blas` is ours with runtime.onednn_linear=false (torch's BLAS, as HF uses);
+   `ours-reference` is the reference model without any speed path (runtime=reference).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
 """
@@ -35,13 +36,13 @@ import torch
 
 from transformer.benchmarking import hardware, marian_model, our_model, timed
 from transformer.cli import parse_args
-from transformer.config import exit_on_user_error
 from transformer.data import DataConfig, load_split
-from transformer.decoder_models import Uncached
-from transformer.decoding import DecodeConfig, translate_ids
+from transformer.decoding import DecodeConfig, Uncached, translate_ids
 from transformer.devices import cpu_has_bf16_matmul, pick_device
+from transformer.errors import exit_on_user_error
+from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast.linear import AVAILABLE as ONEDNN_AVAILABLE
 from transformer.files import atomic_write_text, check_output
-from transformer.linear import onednn, onednn_enabled
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.tokenizer import Tokenizer
 
@@ -78,11 +79,11 @@ def model_and_tokenizer(cfg: BenchConfig, device):
         from transformer.checkpoint import load_model
 
         model, tokenizer, _ = load_model(Path(cfg.checkpoint), device)
-        return model, tokenizer, cfg.checkpoint
+        return accelerate(model), tokenizer, cfg.checkpoint
     train = load_split(DataConfig(dir=cfg.data_dir), "train")
     tokenizer = Tokenizer.train(list(train["src"]) + list(train["tgt"]), cfg.vocab_size, "unigram")
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=len(tokenizer), dropout=0.0)).to(device).eval()
+    model = accelerate(Transformer(ModelConfig(vocab_size=len(tokenizer), dropout=0.0))).to(device).eval()
     return model, tokenizer, "base (6+6 layers, d_model 512, 8 heads, d_ff 2048), random weights"
 
 
@@ -122,12 +123,6 @@ def hf_generate_in(precision: str, model, src, beams: int, new_tokens: int) -> t
         return hf_generate(model, src, beams, new_tokens)
 
 
-def without_onednn(fn):
-    """fn() with fp32 products on torch's BLAS instead of oneDNN (transformer/linear.py)."""
-    with onednn(False):
-        return fn()
-
-
 def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: torch.device) -> list[dict]:
     """Ours against HF generate, same sizes and forced lengths; one batch of peer_sentences.
     At bf16 (GPUs, CPUs with bf16 matrix instructions) both run under the same autocast; `vs hf` compares with HF at
@@ -142,8 +137,10 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
     hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
-        torch.manual_seed(0)
-        ours = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).to(device).eval()
+        ours = {}  # the same weights under each runtime: all speed paths, fp32 on torch's BLAS, the reference
+        for name, runtime in (("ours", RuntimeConfig()), ("ours-blas", RuntimeConfig(onednn_linear=False)), ("ours-reference", RuntimeConfig(fast=False))):  # fmt: skip
+            torch.manual_seed(0)
+            ours[name] = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0, runtime=runtime).to(device).eval()  # fmt: skip
         torch.manual_seed(0)
         theirs = marian_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0).to(device).eval()
         for strategy, beams in (("greedy", 1), ("beam", 5)):
@@ -151,12 +148,15 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
             for precision in precisions:
                 forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9, precision=precision)  # fmt: skip
                 runs = {
-                    "ours": partial(translate_ids, ours, sources, tokenizer, forced, device),
+                    "ours": partial(translate_ids, ours["ours"], sources, tokenizer, forced, device),
                     hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
+                    "ours-reference": partial(
+                        translate_ids, ours["ours-reference"], sources, tokenizer, forced, device
+                    ),
                 }
-                # the effect of transformer/linear.py's oneDNN path (CPU fp32 only)
-                if precision == "fp32" and device.type == "cpu" and onednn_enabled():
-                    runs["ours-blas"] = partial(without_onednn, runs["ours"])
+                # the effect of transformer/fast/linear.py's oneDNN path (CPU fp32 only)
+                if precision == "fp32" and device.type == "cpu" and ONEDNN_AVAILABLE:
+                    runs["ours-blas"] = partial(translate_ids, ours["ours-blas"], sources, tokenizer, forced, device)
                 timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
                 if precision == "fp32":

@@ -34,15 +34,17 @@ from omegaconf import OmegaConf
 
 from transformer import checkpoint
 from transformer.cli import parse_args, setup_logging
-from transformer.config import Config, ConfigError, exit_on_user_error, to_config
+from transformer.config import Config, to_config
 from transformer.data import collate, load_split, token_batches, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import pick_device
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
-from transformer.experiment import prepare_data
+from transformer.fast import accelerate
 from transformer.files import atomic_write_text, check_output, same_file
 from transformer.gqa import convert_to_gqa, kv_cache_bytes_per_token
 from transformer.training import Trainer
+from transformer.training.experiment import prepare_data
 
 log = logging.getLogger("convert_to_gqa")
 
@@ -119,6 +121,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, ConvertConfig, __doc__)
         device = pick_device(cfg.device)
         model, tokenizer, payload = checkpoint.load_model(Path(cfg.checkpoint), device)
+        model = accelerate(model)
         train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, cfg.checkpoint)))
         try:
             converted_model_check = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)

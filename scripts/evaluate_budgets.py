@@ -29,10 +29,12 @@ from omegaconf import OmegaConf
 
 from transformer import checkpoint
 from transformer.cli import parse_args, setup_logging
-from transformer.config import ConfigError, exit_on_user_error, to_config
+from transformer.config import to_config
 from transformer.devices import pick_device
-from transformer.experiment import evaluate_tests
+from transformer.errors import ConfigError, exit_on_user_error
+from transformer.fast import accelerate
 from transformer.files import atomic_write_text, check_output
+from transformer.training.experiment import evaluate_tests
 
 
 @dataclass
@@ -88,6 +90,7 @@ def main(argv: list[str]) -> None:
                     path = Path(tmp) / "model.pt"
                     checkpoint.write(path, payload)
                     model, tokenizer, _ = checkpoint.load_model(path, device)
+                    model = accelerate(model)
                 train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, chosen[-1])))
                 train_cfg.data.test_splits = list(cfg.splits)
                 scores = evaluate_tests(train_cfg, run_dir, model, tokenizer, device, tag=f"{budget:g}min.{name}.")

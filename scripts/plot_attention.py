@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.cli import parse_args
-from transformer.config import ConfigError, exit_on_user_error
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_open, check_output, writing
 
 

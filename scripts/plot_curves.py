@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformer.cli import parse_args
-from transformer.config import ConfigError, exit_on_user_error
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_open, check_output
 
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from transformer.cli import ScoringInputs, load_decoder, parse_args, setup_logging, source_and_reference
-from transformer.config import ConfigError, exit_on_user_error
+from transformer.cli import ScoringInputs, parse_args, setup_logging, source_and_reference
 from transformer.data import read_parallel
-from transformer.decoding import DecodeConfig, translate
+from transformer.decoding import DecodeConfig, load_decoder, translate
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
 
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, TuneConfig, __doc__)
         check(cfg)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.decoding.json")
         output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     run_dir, done = out / "killed", 0
     run_dir.mkdir(parents=True)
     while done < kills:
-        delay = rng.uniform(5.0, seconds / 3) if done % 2 == 0 else None
+        delay = rng.uniform(5.0, max(6.0, 2 * seconds / kills)) if done % 2 == 0 else None
         last = killed_once(run_dir, overrides, delay, rng)
         if last is None:
             break

@@ -13,8 +13,7 @@ from transformer.attention_variants import (
     OverlappingHeadsAttention,
     balance_loss,
 )
-from transformer.decoder_models import Uncached
-from transformer.decoding import DecodeConfig, beam_search, greedy
+from transformer.decoding import DecodeConfig, Uncached, beam_search, greedy
 from transformer.model import ModelConfig, Transformer, count_parameters
 
 from .test_model import make_model, random_tokens

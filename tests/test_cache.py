@@ -2,8 +2,8 @@
 
 import torch
 
-from transformer import cache
-from transformer.cache import GrowingCache
+from transformer.fast import cache
+from transformer.fast.cache import GrowingCache
 
 
 def test_growing_cache_matches_cat_and_index_select_through_growth_and_reorders():

@@ -9,7 +9,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from transformer.config import ConfigError, to_config
+from transformer.config import to_config
+from transformer.errors import ConfigError
 from transformer.model import ModelConfig
 
 from .conftest import ROOT

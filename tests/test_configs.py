@@ -1,5 +1,6 @@
 """Every config in configs/ composes and validates; bad keys and values fail clearly."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import Config, ConfigError, to_config
+from transformer.attention_variants import AttentionConfig
+from transformer.config import Config, register_schema, to_config
+from transformer.errors import ConfigError
+from transformer.model import ModelConfig
+
+from .test_cli import assert_one_line_error, run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUP_OPTIONS = [
@@ -19,6 +25,7 @@ GROUP_OPTIONS = [
 
 
 def compose_config(overrides: list[str]):
+    register_schema()  # as train.py does: configs/config.yaml composes onto the typed Config
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
@@ -57,10 +64,21 @@ def test_unknown_key_is_refused_by_hydra():
         compose_config(["model.colour=blue"])
 
 
+@pytest.mark.parametrize("override, key", [("+model.colour=blue", "model.colour"), ("+colour=blue", "colour")])
+def test_unknown_key_added_with_plus_is_refused_by_name(override, key):
+    with pytest.raises(ConfigError, match=f"config key {key}:"):
+        to_config(compose_config([override]))
+
+
+@pytest.mark.parametrize("override, key", [("trainer.lr=fast", "trainer.lr"), ("model.n_heads=abc", "model.n_heads")])
+def test_value_of_the_wrong_type_is_refused_while_composing_by_name(override, key):
+    with pytest.raises(ConfigCompositionException, match=key):
+        compose_config([override])
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
-        ("trainer.lr=fast", "trainer.lr"),
         ("model.n_heads=3", "model.d_model"),
         ("trainer.precision=fp8", "trainer.precision"),
         ("trainer.schedule=constant", "trainer.schedule"),
@@ -90,8 +108,33 @@ def test_block_options_and_attention_keys_are_single_overrides():
     assert set(ATTENTION_KINDS) == {"standard", "moh", "dcmha", "overlap"}
 
 
+PRESETS = sorted((CONFIGS / "model").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[str(p.relative_to(CONFIGS)) for p in PRESETS])
+def test_model_presets_hold_only_keys_that_differ_from_the_defaults(path):
+    schema = AttentionConfig if path.parent.name == "attention" else ModelConfig
+    defaults = {f.name: f.default for f in dataclasses.fields(schema)}
+    values = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    for key, value in values.items():
+        assert key == "defaults" or value != defaults[key], f"{key}: {value} is {schema.__name__}'s default"
+
+
+def test_a_key_no_yaml_file_sets_can_be_overridden():
+    m = to_config(compose_config(["model=small", "model.bias=false", "model.attention.rank=1"])).model
+    assert (m.d_model, m.bias, m.attention.rank) == (256, False, 1)
+
+
+def test_runtime_group_chooses_the_speed_paths():
+    assert to_config(compose_config([])).runtime.fast
+    reference = to_config(compose_config(["runtime=reference"])).runtime
+    assert not reference.fast
+    assert not to_config(compose_config(["runtime.chunked_loss=false"])).runtime.chunked_loss
+
+
 @pytest.mark.parametrize("sweep", ["multi30k_de_en", "multi30k_en_de"])
 def test_sweep_configs_define_a_multirun_grid(sweep):
+    register_schema()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"sweep={sweep}"], return_hydra_config=True)
     params = cfg.hydra.sweeper.params
@@ -99,3 +142,14 @@ def test_sweep_configs_define_a_multirun_grid(sweep):
     assert cfg.data.src_lang + "_" + cfg.data.tgt_lang in sweep  # the sweep trains its own direction
     for key in params:  # every swept key exists in the composed configuration
         assert OmegaConf.select(cfg, key, throw_on_missing=False) is not None, key
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [("model:\n  colour: blue\n", "config key model.colour"), ("trainer:\n  lr: fast\n", "config key trainer.lr")],
+)
+def test_bad_key_or_value_in_a_yaml_file_is_one_error_line_naming_it(tmp_path, body, needle):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "bad.yaml").write_text("# @package _global_\n" + body)
+    result = run("train.py", f"--config-dir={tmp_path}", "experiment=bad", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "In 'experiment/bad'", needle)

@@ -217,7 +217,7 @@ def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_pat
     SentencePiece model must not weigh the target language by that count."""
     from omegaconf import OmegaConf
 
-    from transformer import experiment
+    from transformer.training import experiment
 
     lines = {"en": ["A dog.", "Two cats."], "fr": ["Un chien.", "Deux chats."], "de": ["Ein Hund.", "Zwei Katzen."]}
     write_corpus(tmp_path, "train", lines)

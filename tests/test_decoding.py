@@ -1,14 +1,28 @@
-"""Decoding properties: beam 1 == greedy, cached == uncached, batch-independence, sorted distinct
-n-best lists, seeded sampling, ensembles and checkpoint averaging."""
+"""Decoding properties: every registered strategy translates a corpus, beam 1 == greedy, cached ==
+uncached, batch-independence, sorted distinct n-best lists, seeded sampling, ensembles, loading
+with a runtime and checkpoint averaging."""
 
 import pytest
 import torch
 
-from transformer import checkpoint, decoding
-from transformer.beams import best_extensions, stay_in_place
+from transformer import checkpoint
 from transformer.data import pad
-from transformer.decoder_models import Ensemble, Uncached
-from transformer.decoding import DecodeConfig, beam_search, generate, greedy, sampler
+from transformer.decoding import (
+    STRATEGIES,
+    DecodeConfig,
+    Ensemble,
+    Uncached,
+    beam_search,
+    generate,
+    greedy,
+    loading,
+    sampler,
+    translate_ids,
+)
+from transformer.decoding import beam as beam_module
+from transformer.decoding import search as search_module
+from transformer.decoding.beam import best_extensions, stay_in_place
+from transformer.fast import RuntimeConfig
 from transformer.model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
@@ -40,6 +54,25 @@ def test_beam_size_one_equals_greedy():
     assert [b[0].tokens for b in beams] == greedy(model, src, BOS, EOS, cfg)
 
 
+IDS = type("Ids", (), {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD})()  # the special ids of a tokenizer
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_registered_strategy_translates_a_corpus(name):
+    """Through the corpus entry point, each strategy gives every sentence the n-best list its
+    registry entry promises, best first and without the EOS; a random strategy repeats with its seed."""
+    model, sents = make_model(), sources(10)
+    cfg = DecodeConfig(strategy=name, beam_size=3, n_best=2, max_tokens=40)  # several batches
+    n_best = translate_ids(model, sents, IDS, cfg, "cpu")
+    assert [len(hyps) for hyps in n_best] == [STRATEGIES[name].hypotheses_per_sentence(cfg)] * len(sents)
+    for hyps in n_best:
+        assert all(h.log_prob <= 0 and EOS not in h.tokens for h in hyps)
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    again = translate_ids(model, sents, IDS, cfg, "cpu")
+    assert [[h.tokens for h in hyps] for hyps in again] == [[h.tokens for h in hyps] for hyps in n_best]
+    assert cfg.label.startswith(name)
+
+
 @pytest.mark.parametrize("n_kv_heads", [None, 2, 1])
 def test_cached_decoding_equals_full_recomputation(n_kv_heads):
     model, src = make_model(n_kv_heads=n_kv_heads), batch(sources(8))
@@ -64,16 +97,18 @@ def test_a_sentence_decodes_the_same_alone_and_in_a_padded_batch_of_64():
 def test_dropping_finished_sentences_from_the_batch_changes_no_result(monkeypatch):
     model, src = make_model(), batch(sources(64))
     cfg = DecodeConfig(beam_size=4, n_best=2)
-    prunes, worth_pruning = [], decoding.worth_pruning
+    prunes, worth_pruning = [], search_module.worth_pruning
 
     def counting(n_done: int, n_rows: int) -> bool:
         prunes.append(worth_pruning(n_done, n_rows))
         return prunes[-1]
 
-    monkeypatch.setattr(decoding, "worth_pruning", counting)
+    for module in (beam_module, search_module):
+        monkeypatch.setattr(module, "worth_pruning", counting)
     pruned = beam_search(model, src, BOS, EOS, cfg), greedy(model, src, BOS, EOS, cfg)
     assert sum(prunes) >= 4  # both searches dropped sentences, more than once
-    monkeypatch.setattr(decoding, "worth_pruning", lambda n_done, n_rows: False)
+    for module in (beam_module, search_module):
+        monkeypatch.setattr(module, "worth_pruning", lambda n_done, n_rows: False)
     kept = beam_search(model, src, BOS, EOS, cfg), greedy(model, src, BOS, EOS, cfg)
     assert [[h.tokens for h in n_best] for n_best in pruned[0]] == [[h.tokens for h in n_best] for n_best in kept[0]]
     for a, b in zip(pruned[0], kept[0]):
@@ -85,11 +120,10 @@ def test_bf16_decoding_runs_the_products_in_bf16_and_scores_in_fp32():
     model, sents = make_model(), sources(6)
     dtypes = []
     model.decoder_layers[0].ffn.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
-    tokenizer = type("Ids", (), {"bos_id": BOS, "eos_id": EOS, "pad_id": PAD})()
     cfg = DecodeConfig(beam_size=3, n_best=2, precision="bf16")
-    n_best = decoding.translate_ids(model, sents, tokenizer, cfg, "cpu")
+    n_best = translate_ids(model, sents, IDS, cfg, "cpu")
     assert dtypes and set(dtypes) == {torch.bfloat16}
-    fp32 = decoding.translate_ids(model, sents, tokenizer, DecodeConfig(beam_size=3, n_best=2), "cpu")
+    fp32 = translate_ids(model, sents, IDS, DecodeConfig(beam_size=3, n_best=2), "cpu")
     assert all(isinstance(h.score, float) and h.score <= 0 for hyps in n_best for h in hyps)
     # Rounding may change a close choice, but most sentences decode the same.
     same = sum(a[0].tokens == b[0].tokens for a, b in zip(n_best, fp32))
@@ -127,13 +161,10 @@ def test_min_len_forces_every_hypothesis_to_run_that_long():
     """With min_len = max_len - 1 every hypothesis has exactly max_len tokens (EOS last), the
     setting the decoding benchmark uses to give every decoder the same work."""
     model, sents = make_model(), sources(10)
-    for strategy in ("greedy", "beam"):
-        cfg = DecodeConfig(strategy=strategy, beam_size=3, max_len_a=0.0, max_len_b=12, min_len=11)
-        if strategy == "beam":
-            lengths = [len(h[0].tokens) for h in beam_search(model, batch(sents), BOS, EOS, cfg)]
-        else:
-            lengths = [len(t) for t in greedy(model, batch(sents), BOS, EOS, cfg)]
-        assert lengths == [11] * len(sents), strategy
+    for name, strategy in STRATEGIES.items():
+        cfg = DecodeConfig(strategy=name, beam_size=3, max_len_a=0.0, max_len_b=12, min_len=11)
+        n_best = strategy.search(model, batch(sents), BOS, EOS, cfg, torch.Generator().manual_seed(0))
+        assert [len(hyps[0].tokens) for hyps in n_best] == [11] * len(sents), name
 
 
 def test_sampling_is_seeded_and_top_k_one_is_greedy():
@@ -163,10 +194,25 @@ def test_ensemble_of_one_model_twice_decodes_like_the_model():
     assert greedy(other, src, BOS, EOS, cfg) != greedy(model, src, BOS, EOS, cfg)
 
 
-def test_averaging_copies_of_a_checkpoint_gives_the_same_weights(tmp_path):
+def char_tokenizer():
     from transformer.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer.train(["ein hund läuft", "a dog runs", "zwei katzen"] * 20, vocab_size=30, model_type="char")
+    return Tokenizer.train(["ein hund läuft", "a dog runs", "zwei katzen"] * 20, vocab_size=30, model_type="char")
+
+
+def test_load_decoder_installs_the_runtime_on_every_model_of_an_ensemble(tmp_path, monkeypatch):
+    tokenizer = char_tokenizer()
+    path = tmp_path / "model.pt"
+    checkpoint.save(path, make_model(vocab_size=len(tokenizer)), tokenizer, train_config={}, step=1)
+    installed, runtime = [], RuntimeConfig(fast=False)
+    monkeypatch.setattr(loading, "accelerate", lambda model, runtime: installed.append((model, runtime)) or model)
+    _, ensemble, _, _ = loading.load_decoder(str(path), [str(path)], "cpu", runtime)
+    assert [model for model, _ in installed] == ensemble.models
+    assert all(r is runtime for _, r in installed)
+
+
+def test_averaging_copies_of_a_checkpoint_gives_the_same_weights(tmp_path):
+    tokenizer = char_tokenizer()
     model = make_model(vocab_size=len(tokenizer))
     paths = [tmp_path / f"c{i}.pt" for i in range(3)]
     for path in paths:

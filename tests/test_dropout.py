@@ -1,9 +1,10 @@
-"""transformer.dropout: the CPU mask drawn four elements to a random word, and word dropout."""
+"""transformer.fast.dropout: the CPU mask drawn four elements to a random word; and word dropout (blocks.py)."""
 
 import pytest
 import torch
 
-from transformer.dropout import Dropout, dropout, keep_mask, word_dropout
+from transformer.blocks import word_dropout
+from transformer.fast.dropout import Dropout, dropout, keep_mask
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The oneDNN path of linear layers (transformer/linear.py) computes what F.linear computes."""
+"""The oneDNN path of linear layers (transformer/fast/linear.py) computes what F.linear computes."""
 
 import copy
 import os
@@ -10,18 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import transformer.linear
-from transformer.linear import CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear, onednn, onednn_enabled
+import transformer.fast.linear
+from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear
 from transformer.model import ModelConfig, Transformer
 
-pytestmark = pytest.mark.skipif(not onednn_enabled(), reason="oneDNN path off or unavailable")
+pytestmark = pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")
 
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("blas_weight_gradient", [False, True])
 def test_forward_and_gradients_match_f_linear(bias, blas_weight_gradient, monkeypatch):
     if blas_weight_gradient:  # as for a large dY, the output layer's
-        monkeypatch.setattr(transformer.linear, "TRANSPOSE_LIMIT", 0)
+        monkeypatch.setattr(transformer.fast.linear, "TRANSPOSE_LIMIT", 0)
     torch.manual_seed(0)
     x = torch.randn(3, 7, 24).transpose(0, 1).requires_grad_()  # non-contiguous, 3-d
     weight = torch.randn(40, 24, requires_grad=True)
@@ -61,24 +62,35 @@ def test_the_packed_inference_weight_follows_every_change_of_the_weight():
 
 
 def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
+    """runtime.onednn_linear=false (F.linear, BLAS) against the oneDNN path, on the same weights."""
     cfg = ModelConfig(vocab_size=50, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)  # fmt: skip
-    torch.manual_seed(0)
-    model = Transformer(cfg)
     src, tgt = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 6))
     results = []
     for enabled in (False, True):
-        with onednn(enabled):
-            model.zero_grad()
-            logits = model(src, tgt)
-            logits.square().mean().backward()
-            with torch.no_grad():
-                inference = model(src, tgt)
+        torch.manual_seed(0)
+        model = accelerate(Transformer(cfg), RuntimeConfig(onednn_linear=enabled))
+        logits = model(src, tgt)
+        logits.square().mean().backward()
+        with torch.no_grad():
+            inference = model(src, tgt)
         results.append((logits.detach(), inference, [p.grad.clone() for p in model.parameters()]))
     (blas, blas_inf, blas_grads), (ours, ours_inf, our_grads) = results
     torch.testing.assert_close(ours, blas, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(ours_inf, blas_inf, rtol=1e-4, atol=1e-5)
     for a, b in zip(our_grads, blas_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_importing_changes_nothing_and_accelerate_bounds_the_primitive_caches():
+    """Importing transformer.fast leaves the environment alone; installing the oneDNN path sets
+    the cache bounds the user has not set."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    code = (
+        "import os, transformer.fast as F, transformer.model as M; print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES]);"
+        "F.accelerate(M.Transformer(M.ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=16))); print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["None None", f"{CACHE_CAPACITY} {CACHE_CAPACITY}"]
 
 
 def test_bf16_autocast_training_keeps_torchs_own_path():
@@ -89,7 +101,7 @@ def test_bf16_autocast_training_keeps_torchs_own_path():
     assert not layer.packed.entries
 
 
-@pytest.mark.skipif(not transformer.linear._BF16_SUPPORTED, reason="oneDNN has no bf16 products on this CPU")
+@pytest.mark.skipif(not transformer.fast.linear._BF16_SUPPORTED, reason="oneDNN has no bf16 products on this CPU")
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("activation", [None, "relu"])
 def test_bf16_autocast_inference_uses_a_packed_bf16_weight_and_gives_f_linears_result(bias, activation):
@@ -118,7 +130,8 @@ def test_bf16_autocast_inference_uses_a_packed_bf16_weight_and_gives_f_linears_r
 MEMORY_PROBE = """
 import os, sys
 import torch
-import transformer.linear as L
+import transformer.fast.linear as L
+L.bound_primitive_caches()
 
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -137,7 +150,7 @@ print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPAC
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process size from /proc")
 def test_memory_does_not_grow_with_the_number_of_product_shapes():
     """oneDNN keeps every product's primitive and its buffers in two caches of 1024 entries;
-    importing transformer.linear bounds both, so training on batches of ever new shapes stays
+    installing transformer.fast.linear bounds both, so training on batches of ever new shapes stays
     the same size. With oneDNN's defaults the 80 new shapes below added 1.4 GB (3-28 MB bounded)."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
     bounded = subprocess.run([sys.executable, "-c", MEMORY_PROBE], env=env, capture_output=True, text=True, check=True)

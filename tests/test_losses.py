@@ -1,13 +1,15 @@
-"""The chunked output layer and loss that training uses, against the plain logits and autograd."""
+"""The chunked output layer and loss (transformer/fast/loss.py) against the reference: the full
+logits, torch's cross-entropy and autograd."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer import losses
 from transformer.devices import cpu_has_bf16_matmul
-from transformer.losses import projected_cross_entropy, training_objective
+from transformer.fast import loss as chunked_loss
+from transformer.fast.loss import projected_cross_entropy
 from transformer.model import ModelConfig, Transformer
+from transformer.training.objective import training_objective
 
 
 def padded_problem(dtype=torch.float64, vocab=13, d_model=6):
@@ -22,7 +24,7 @@ def padded_problem(dtype=torch.float64, vocab=13, d_model=6):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 2 rows: 21 rows (11 of them padding) go through in 11 chunks, the last one short."""
-    monkeypatch.setitem(losses.CHUNK_ELEMENTS, "cpu", 2 * 13)
+    monkeypatch.setitem(chunked_loss.CHUNK_ELEMENTS, "cpu", 2 * 13)
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
@@ -91,7 +93,7 @@ def test_projected_loss_in_bf16_stays_near_the_fp32_one():
 
 
 def test_projected_loss_in_fp32_matches_the_float64_one(small_chunks):
-    """fp32 products on CPU take linear.py's oneDNN path (when torch has oneDNN)."""
+    """fp32 products on CPU take fast/linear.py's oneDNN path (when torch has oneDNN)."""
     hidden, weight, target = padded_problem()
     exact = projected_cross_entropy(hidden, weight, target, 0, 0.1)
     expected = torch.autograd.grad(exact, (hidden, weight))

@@ -6,7 +6,7 @@ from sacrebleu.metrics import CHRF
 
 from transformer import decoding
 from transformer.decoding import DecodeConfig, Hypothesis
-from transformer.mbr import expected_utilities, rerank, utility
+from transformer.decoding.mbr import expected_utilities, rerank, utility
 
 from .test_decoding import EOS, PAD, make_model, sources
 

@@ -14,9 +14,9 @@ import torch
 from transformer import checkpoint
 from transformer.config import Config
 from transformer.errors import ConfigError
-from transformer.experiment import run
-from transformer.members import candidates, member_configs
-from transformer.trainer_config import TrainerConfig
+from transformer.training import run
+from transformer.training.config import TrainerConfig
+from transformer.training.members import candidates, member_configs
 
 from .conftest import ROOT
 

@@ -1,28 +1,24 @@
 """Properties of the model: causality, padding invariance, agreement with torch's reference
-attention, head layouts (MHA/GQA/MQA), attention weights, and cached == uncached decoding."""
+attention, head layouts (MHA/GQA/MQA), attention weights, and cached == uncached decoding; each
+under both runtimes, the reference model as written and with the fast paths installed."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from transformer.attention import MultiHeadAttention, attention_with_weights, fast_attention, product_attention
+from transformer.attention import MultiHeadAttention
 from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
-from transformer.model import (
-    DecoderState,
-    ModelConfig,
-    Transformer,
-    causal_mask,
-    cross_attend,
-    length_groups,
-    padding_mask,
-)
+from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import attention as fast_attention
+from transformer.fast import linear as fast_linear
+from transformer.model import ModelConfig, Transformer, causal_mask, padding_mask
 
 PAD, BOS, EOS = 0, 2, 3
+RUNTIMES = ["reference", "fast"]
 
 
-def make_model(**overrides) -> Transformer:
+def make_model(runtime: str = "reference", **overrides) -> Transformer:
     """A tiny model. The parameters of attention variants (MoH router, DCMHA mixing) are moved
     away from their zero/identity initialization, so no variant sits at its neutral point."""
     torch.manual_seed(0)
@@ -32,7 +28,15 @@ def make_model(**overrides) -> Transformer:
         for name, p in model.named_parameters():
             if any(part in name for part in ("router", "stage", "query_weights", "key_weights", ".static")):
                 p.add_(0.3 * torch.randn_like(p))
-    return model
+    return accelerate(model, RuntimeConfig(fast=runtime == "fast"))
+
+
+def attention_module(runtime: str, **kwargs) -> MultiHeadAttention:
+    attn = MultiHeadAttention(**kwargs).eval()
+    if runtime == "fast":
+        fast_linear.install(attn)
+        fast_attention.install(attn)
+    return attn
 
 
 def random_tokens(batch: int, length: int) -> torch.Tensor:
@@ -64,10 +68,11 @@ def variant_id(variant: dict) -> str:
     return ",".join(f"{k}={getattr(v, 'kind', v)}" for k, v in variant.items()) or "standard"
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_decoder_is_causal(variant):
+def test_decoder_is_causal(variant, runtime):
     """Changing a future target token never changes the logits at earlier positions."""
-    model, src, tgt = make_model(**variant), random_tokens(2, 7), random_tokens(2, 9)
+    model, src, tgt = make_model(runtime, **variant), random_tokens(2, 7), random_tokens(2, 9)
     changed = tgt.clone()
     changed[:, 5:] = random_tokens(2, 4)
     with torch.no_grad():
@@ -76,10 +81,11 @@ def test_decoder_is_causal(variant):
     assert not torch.allclose(before[:, 5:], after[:, 5:])
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_padding_does_not_change_outputs(variant):
+def test_padding_does_not_change_outputs(variant, runtime):
     """A sentence padded inside a batch gets the same logits as the sentence alone."""
-    model, src, tgt = make_model(**variant), random_tokens(1, 6), random_tokens(1, 5)
+    model, src, tgt = make_model(runtime, **variant), random_tokens(1, 6), random_tokens(1, 5)
     padded_src = torch.cat([src, torch.full((1, 4), PAD)], dim=1)
     with torch.no_grad():
         alone = model(src, tgt)
@@ -91,10 +97,11 @@ def test_padding_does_not_change_outputs(variant):
     torch.testing.assert_close(alone, batched[:1], rtol=1e-3, atol=3e-4)
 
 
-def test_multi_head_attention_matches_torch_reference():
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_multi_head_attention_matches_torch_reference(runtime):
     """Our attention with W_q, W_k, W_v, W_o copied into torch.nn.MultiheadAttention agrees with it."""
     torch.manual_seed(0)
-    ours = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=4, dropout=0.0, bias=True).eval()
+    ours = attention_module(runtime, d_model=32, n_heads=4, n_kv_heads=4, dropout=0.0, bias=True)
     ref = nn.MultiheadAttention(32, 4, bias=True, batch_first=True).eval()
     with torch.no_grad():
         ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
@@ -113,10 +120,11 @@ def test_multi_head_attention_matches_torch_reference():
     torch.testing.assert_close(weights, expected_weights)
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
-def test_head_layouts_shapes_and_paths_agree(n_kv_heads):
-    """MHA, GQA and MQA: projection sizes, output shapes, and SDPA == the explicit path."""
-    attn = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=n_kv_heads, dropout=0.0, bias=True).eval()
+def test_head_layouts_shapes_and_paths_agree(n_kv_heads, runtime):
+    """MHA, GQA and MQA: projection sizes, output shapes, and the fused kernel == the explicit path."""
+    attn = attention_module(runtime, d_model=32, n_heads=4, n_kv_heads=n_kv_heads, dropout=0.0, bias=True)
     assert attn.w_k.out_features == attn.w_v.out_features == n_kv_heads * 8
     query, mask = torch.randn(2, 5, 32), causal_mask(5)
     with torch.no_grad():
@@ -124,55 +132,6 @@ def test_head_layouts_shapes_and_paths_agree(n_kv_heads):
         fast, none = attn(query, query, mask)
     assert out.shape == (2, 5, 32) and weights.shape == (2, 4, 5, 5) and none is None
     torch.testing.assert_close(out, fast)
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
-def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
-    """bf16 on CPU takes the batched products, for decoding (one query here) and for training;
-    both must give the fp32 result to bf16 precision, masks included."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(3, 4, n, 16) for n in (1, 9, 9))
-    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
-    mask[1, ..., 6:] = False
-    expected = fast_attention(q, k, v, mask, 0.0)
-    q16, k16, v16 = (x.bfloat16().requires_grad_(grad) for x in (q, k, v))
-    with torch.set_grad_enabled(grad):
-        out = fast_attention(q16, k16, v16, mask, 0.0)
-    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    if grad:
-        out.float().sum().backward()
-        assert q16.grad is not None and k16.grad[1, :, 6:].abs().max() == 0  # masked keys get no gradient
-
-
-@pytest.mark.parametrize("kv_heads, q_len, mask_rows", [(4, 1, 1), (2, 3, 1), (1, 5, 5), (4, 7, 7), (2, 4, 0)], ids=str)
-def test_product_attention_equals_the_fused_kernel(kv_heads, q_len, mask_rows):
-    """The decoding-step route (two batched products) computes what scaled_dot_product_attention
-    does, for MHA and grouped-query heads, with padding masks, causal-shaped masks and none."""
-    torch.manual_seed(0)
-    q = torch.randn(3, 4, q_len, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 3, kv_heads, 9, 8, dtype=torch.float64).unbind(0)
-    mask = None
-    if mask_rows:
-        mask = torch.rand(3, 1, mask_rows, 9) > 0.4
-        mask[..., 0] = True  # every query keeps a key
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
-    torch.testing.assert_close(product_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
-
-
-def test_product_attention_drops_weights_like_the_explicit_path():
-    """With attention dropout (training), the products drop the same weights as the explicit
-    softmax-dropout-matmul path from the same seed, and gradients reach q, k and v."""
-    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (5, 7, 7))
-    mask = torch.rand(2, 1, 5, 7) > 0.3
-    mask[..., 0] = True
-    torch.manual_seed(3)
-    out = product_attention(q, k, v, mask, dropout_p=0.5)
-    torch.manual_seed(3)
-    expected, _ = attention_with_weights(q, k, v, mask, dropout_p=0.5)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-    assert not torch.allclose(out, product_attention(q, k, v, mask))  # something was dropped
-    out.sum().backward()
-    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
 
 
 def test_attention_weights_are_distributions_that_respect_masks():
@@ -196,25 +155,27 @@ def test_masks_follow_the_true_means_may_attend_convention():
     assert causal_mask(2, offset=1)[0, 0].tolist() == [[True, True, False], [True, True, True]]
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_incremental_decoding_equals_full_recomputation(variant):
+def test_incremental_decoding_equals_full_recomputation(variant, runtime):
     """Logits from the KV cache, one token at a time, equal a full forward pass over the prefix.
     In float64, so that the comparison is tight and no variant's fp32 rounding (DCMHA's head
     composition amplifies it on some CPUs) can hide a real difference or fail a correct cache."""
-    model, src, tgt = make_model(**variant).double(), random_tokens(3, 6), random_tokens(3, 7)
+    model, src, tgt = make_model(runtime, **variant).double(), random_tokens(3, 6), random_tokens(3, 7)
     src_mask = padding_mask(src, PAD)
     with torch.no_grad():
         full = model(src, tgt)
         memory, _ = model.encode(src, src_mask)
-        state = DecoderState()
+        state = model.new_state()
         steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, state)[0] for i in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
     n_kv = model.cfg.kv_heads
     assert state.layers[0]["self"]["k"].shape == (3, n_kv, 7, model.cfg.head_size)  # shrinks with n_kv_heads
 
 
-def test_greedy_matches_argmax_of_uncached_recomputation():
-    model, src = make_model(), random_tokens(4, 6)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_greedy_matches_argmax_of_uncached_recomputation(runtime):
+    model, src = make_model(runtime), random_tokens(4, 6)
     cfg = DecodeConfig(max_len_a=1.0, max_len_b=4)
     with torch.no_grad():
         hyps = greedy(model, src, BOS, EOS, cfg)
@@ -228,12 +189,13 @@ def test_greedy_matches_argmax_of_uncached_recomputation():
             assert hyp == tokens[0, 1:].tolist()
 
 
-def test_decoder_state_reorder_selects_batch_rows():
-    model, src = make_model(), random_tokens(3, 5)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_decoder_state_reorder_selects_batch_rows(runtime):
+    model, src = make_model(runtime), random_tokens(3, 5)
     src_mask = padding_mask(src, PAD)
     with torch.no_grad():
         memory, _ = model.encode(src, src_mask)
-        state = DecoderState()
+        state = model.new_state()
         model.decode(torch.full((3, 1), BOS), memory, src_mask, state)
         k = state.layers[0]["self"]["k"].clone()
         state.reorder(torch.tensor([2, 2, 0]))
@@ -298,50 +260,3 @@ def test_head_mask_of_ones_changes_nothing_and_keeping_one_head_changes_outputs(
     torch.testing.assert_close(ones, plain, rtol=0, atol=0)
     assert not torch.allclose(pruned, plain)
     torch.testing.assert_close(restored, plain, rtol=0, atol=0)
-
-
-def test_cross_attention_of_grouped_beams_equals_attention_to_repeated_memory():
-    """Beam search folds a sentence's k rows into one query against one row of memory; outputs
-    and weights must be those of k rows attending to k copies of the memory."""
-    model = make_model()
-    attn = model.decoder_layers[0].cross_attn
-    torch.manual_seed(0)
-    memory, query = torch.randn(2, 6, 32), torch.randn(6, 4, 32)  # 2 sentences x 3 beams, 4 target positions
-    src_mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
-    src_mask[1, ..., 4:] = False
-    with torch.no_grad():
-        out, weights = cross_attend(attn, query, memory, src_mask, {}, need_weights=True)
-        reference, ref_weights = attn(
-            query, memory.repeat_interleave(3, 0), src_mask.repeat_interleave(3, 0), None, True, True
-        )
-    torch.testing.assert_close(out, reference)
-    torch.testing.assert_close(weights, ref_weights)
-
-
-def test_length_groups_hold_every_row_once_with_all_of_its_tokens():
-    torch.manual_seed(0)
-    lengths = torch.randint(1, 41, (64,))
-    real = torch.arange(40)[None, :] < lengths[:, None]
-    groups = length_groups(real, min_tokens=64)
-    rows = torch.cat([r for r, _ in groups])
-    assert sorted(rows.tolist()) == list(range(64))
-    for r, length in groups:
-        assert int(lengths[r].max()) == length
-    assert 1 < len(groups) < 64
-    padded = sum(len(r) * length for r, length in groups)
-    assert padded < 0.75 * 64 * 40  # most of the padding is gone
-    assert len(length_groups(real, min_tokens=10**6)) == 1  # small batches stay whole
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
-def test_encoding_in_length_groups_equals_encoding_the_padded_batch(variant):
-    model = make_model(**variant)
-    torch.manual_seed(1)
-    lengths = torch.randint(1, 33, (24,))
-    src = random_tokens(24, 32).masked_fill(torch.arange(32)[None, :] >= lengths[:, None], PAD)
-    mask = padding_mask(src, PAD)
-    assert len(length_groups(mask.flatten(1))) > 1
-    with torch.no_grad():
-        grouped, padded = model.encode(src, mask)[0], model.encode_padded(src, mask)[0]
-    real = mask.flatten(1)
-    torch.testing.assert_close(grouped[real], padded[real], atol=1e-5, rtol=1e-4)

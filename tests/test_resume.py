@@ -12,8 +12,8 @@ import torch
 
 from transformer import checkpoint
 from transformer.model import ModelConfig, Transformer
-from transformer.resume import config_differences
 from transformer.tokenizer import Tokenizer
+from transformer.training.resume import config_differences
 
 from .conftest import ROOT
 
@@ -101,6 +101,16 @@ def test_a_checkpoint_older_than_an_option_resumes_when_the_option_keeps_its_def
     assert config_differences(old, {"trainer": {"lr": 1e-3, "cooldown": 0.2}}, defaults) == [
         "trainer.cooldown (0.0 in the checkpoint, 0.2 now)"
     ]
+
+
+def test_a_checkpoint_with_an_option_since_removed_resumes_and_the_speed_paths_may_change():
+    """trainer.chunked_loss became runtime.chunked_loss: checkpoints that hold the old key still
+    resume, and the runtime (speed paths, the same computation) may differ from the checkpoint's."""
+    old = {"trainer": {"lr": 1e-3, "chunked_loss": False}, "runtime": {"fast": True, "chunked_loss": True}}
+    now = {"trainer": {"lr": 1e-3}, "runtime": {"fast": False, "chunked_loss": True}}
+    assert config_differences(old, now) == []
+    assert config_differences({"trainer": {"lr": 1e-3, "chunked_loss": False}}, now, {"runtime": {}}) == []
+    assert config_differences(old, {"trainer": {"lr": 2e-3}}) == ["trainer.lr (0.001 in the checkpoint, 0.002 now)"]
 
 
 def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_corpus):

@@ -10,11 +10,15 @@ from transformer.config import Config, ConfigError
 from transformer.data import DataConfig, collate, tokenize
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul, require_cpp_compiler
-from transformer.experiment import run
-from transformer.losses import adam, inverse_sqrt_lr, label_smoothed_loss, scheduled_lr, trainer_adam
+from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast.linear import refresh_packed_weights_after
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
-from transformer.trainer_config import TrainerConfig
+from transformer.training import Trainer, run
+from transformer.training.config import TrainerConfig
+from transformer.training.objective import label_smoothed_loss, smoothed_cross_entropy, symmetric_kl
+from transformer.training.optimizer import adam, trainer_adam
+from transformer.training.schedule import inverse_sqrt_lr, scheduled_lr
 
 
 def test_schedule_is_the_papers_formula():
@@ -149,8 +153,6 @@ def test_recompute_gives_the_same_gradients_with_dropout():
 
 
 def test_training_loss_is_the_reference_label_smoothed_loss():
-    from transformer.losses import smoothed_cross_entropy
-
     torch.manual_seed(0)
     logits, target = torch.randn(3, 5, 11), torch.randint(1, 11, (3, 5))
     target[1, 2:] = 0
@@ -160,8 +162,6 @@ def test_training_loss_is_the_reference_label_smoothed_loss():
 
 
 def test_rdrop_regularizer_is_the_symmetric_kl_over_real_tokens():
-    from transformer.losses import symmetric_kl
-
     torch.manual_seed(0)
     a, b = torch.randn(2, 4, 9), torch.randn(2, 4, 9)
     keep = torch.tensor([[True, True, True, False], [True, True, False, False]])
@@ -243,11 +243,13 @@ def test_decoupled_weight_decay_shrinks_the_weights_apart_from_the_gradient(fuse
 
 
 def test_inference_after_a_fused_adam_step_uses_the_updated_weights():
-    """Inference caches reordered weights until their version changes; the fused update must change it."""
+    """Inference on the fast path caches reordered weights until their version changes; the fused
+    update does not change it, so the hook the trainer installs must."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=50, n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64)
-    model = Transformer(cfg)
+    model = accelerate(Transformer(cfg), RuntimeConfig())
     optimizer = adam(model.parameters(), 1e-2, (0.9, 0.98), 1e-9, 0.0, torch.device("cpu"))
+    refresh_packed_weights_after(optimizer)
     src, tgt = torch.randint(1, 50, (3, 7)), torch.randint(1, 50, (3, 6))
     for _ in range(2):  # inference, as validation does, fills the caches; then one update
         with torch.no_grad():
@@ -259,3 +261,31 @@ def test_inference_after_a_fused_adam_step_uses_the_updated_weights():
     fresh.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(src, tgt), fresh.eval()(src, tgt))
+
+
+@pytest.mark.parametrize("rdrop", [0.0, 0.5])
+def test_the_runtime_chooses_the_chunked_loss_or_the_reference_logits_and_both_train_alike(
+    tmp_path, tiny_corpus, rdrop
+):
+    """runtime.fast=false trains on the full logits with the reference objective; the default
+    computes the output layer and loss in chunks (not with R-Drop, whose KL needs the logits).
+    The first step's loss is the same either way."""
+    from transformer.data import DataConfig, load_split
+
+    ds = load_split(DataConfig(dir=str(tiny_corpus)), "train").select(range(12))
+    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=120, model_type="unigram")
+    corpus = tokenize(ds, tokenizer)
+    batch = collate(corpus, list(range(len(corpus))), tokenizer)
+    model_cfg = ModelConfig(
+        len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=4, d_ff=64, dropout=0.0
+    )
+    losses = {}
+    for fast in (True, False):
+        trainer_cfg = TrainerConfig(device="cpu", precision="fp32", rdrop=rdrop)
+        cfg = Config(model=model_cfg, trainer=trainer_cfg, runtime=RuntimeConfig(fast=fast))
+        torch.manual_seed(0)
+        model = accelerate(Transformer(model_cfg), cfg.runtime)
+        trainer = Trainer(cfg, tmp_path / f"fast={fast}", model, tokenizer, corpus, corpus)
+        assert trainer.chunked_loss == fast
+        losses[fast] = trainer.train_step([batch])
+    torch.testing.assert_close(losses[True], losses[False])

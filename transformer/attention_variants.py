@@ -15,22 +15,19 @@ computes exactly what MultiHeadAttention computes with the same W_q, W_k, W_v, W
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cache
 from .attention import MultiHeadAttention, Rotary, expand_kv_heads
-from .linear import Linear
-
-ATTENTION_KINDS = ("standard", "moh", "dcmha", "overlap")
 
 
 @dataclass
 class AttentionConfig:
-    kind: str = "standard"  # standard | moh | dcmha | overlap
+    kind: str = "standard"  # a name in VARIANTS: standard | moh | dcmha | overlap
     shared_heads: int = 1  # moh: heads every token uses
     top_k: int = 2  # moh: routed heads each token picks, besides the shared ones
     balance_weight: float = 0.01  # moh: beta, the load-balancing loss's weight in the training loss
@@ -38,19 +35,10 @@ class AttentionConfig:
     overlap: int = 16  # overlap: features each head takes from each neighbour (0 = standard attention)
 
     def check(self, n_heads: int, d_head: int) -> None:
-        if self.kind not in ATTENTION_KINDS:
-            raise ValueError(f"model.attention.kind={self.kind!r} is not one of {ATTENTION_KINDS}")
+        if self.kind not in VARIANTS:
+            raise ValueError(f"model.attention.kind={self.kind!r} is not one of {tuple(VARIANTS)}")
         self.check_ranges()
-        if self.kind == "moh":
-            routed = n_heads - self.shared_heads
-            if not 1 <= self.shared_heads <= n_heads:
-                raise ValueError(f"model.attention.shared_heads={self.shared_heads} must be in 1..{n_heads}")
-            if routed and not 1 <= self.top_k <= routed:
-                raise ValueError(f"model.attention.top_k={self.top_k} must be in 1..{routed} (the routed heads)")
-        if self.kind == "dcmha" and not 1 <= self.rank <= 2:
-            raise ValueError(f"model.attention.rank={self.rank} must be 1 or 2")
-        if self.kind == "overlap" and not 0 <= self.overlap <= d_head:
-            raise ValueError(f"model.attention.overlap={self.overlap} must be in 0..{d_head} (the head size)")
+        VARIANTS[self.kind].check(self, n_heads, d_head)
 
     def check_ranges(self) -> None:
         """Each field's range whatever the kind (the unused kinds' keys stay in every config)."""
@@ -63,9 +51,66 @@ class AttentionConfig:
             raise ValueError(f"model.attention.balance_weight={self.balance_weight} must be >= 0 and finite")
 
 
+# --- The registry ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """An attention kind: its class, the AttentionConfig fields its constructor takes, and a check
+    of those fields against the model's head count and head size (raising ValueError)."""
+
+    cls: type[MultiHeadAttention]
+    options: tuple[str, ...] = ()
+    check: Callable[[AttentionConfig, int, int], None] = lambda cfg, n_heads, d_head: None
+
+
+VARIANTS: dict[str, Variant] = {}  # model.attention.kind -> Variant
+
+
+def register(kind: str, options: tuple[str, ...] = (), check=None):
+    """Class decorator: make an attention class available as model.attention.kind=`kind`."""
+
+    def add(cls):
+        VARIANTS[kind] = Variant(cls, options, check or Variant.check)
+        return cls
+
+    return add
+
+
+register("standard")(MultiHeadAttention)
+
+
+def build_attention(cfg, cross: bool, rotary: Rotary | None) -> MultiHeadAttention:
+    """The attention module of model config `cfg` (a ModelConfig); rotary positions only where
+    queries and keys share a sequence (cross=False)."""
+    variant = VARIANTS[cfg.attention.kind]
+    options = {name: getattr(cfg.attention, name) for name in variant.options}
+    common = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, dropout=cfg.attention_dropout, bias=cfg.bias)  # fmt: skip
+    return variant.cls(**common, **options, rotary=None if cross else rotary)
+
+
+def check_moh(cfg: AttentionConfig, n_heads: int, d_head: int) -> None:
+    routed = n_heads - cfg.shared_heads
+    if not 1 <= cfg.shared_heads <= n_heads:
+        raise ValueError(f"model.attention.shared_heads={cfg.shared_heads} must be in 1..{n_heads}")
+    if routed and not 1 <= cfg.top_k <= routed:
+        raise ValueError(f"model.attention.top_k={cfg.top_k} must be in 1..{routed} (the routed heads)")
+
+
+def check_dcmha(cfg: AttentionConfig, n_heads: int, d_head: int) -> None:
+    if not 1 <= cfg.rank <= 2:
+        raise ValueError(f"model.attention.rank={cfg.rank} must be 1 or 2")
+
+
+def check_overlap(cfg: AttentionConfig, n_heads: int, d_head: int) -> None:
+    if not 0 <= cfg.overlap <= d_head:
+        raise ValueError(f"model.attention.overlap={cfg.overlap} must be in 0..{d_head} (the head size)")
+
+
 # --- Mixture-of-Head attention ------------------------------------------------------------------
 
 
+@register("moh", options=("shared_heads", "top_k"), check=check_moh)
 class MoHAttention(MultiHeadAttention):
     """Heads as experts. Per token, with router logits r = x W_r (one per head):
 
@@ -84,8 +129,8 @@ class MoHAttention(MultiHeadAttention):
         super().__init__(d_model, n_heads, n_kv_heads, dropout, bias, rotary)
         self.n_shared, self.n_routed = shared_heads, n_heads - shared_heads
         self.top_k = top_k if self.n_routed else 0
-        self.router = Linear(d_model, n_heads, bias=False)
-        self.stage = Linear(d_model, 2, bias=False)  # shared vs routed
+        self.router = nn.Linear(d_model, n_heads, bias=False)
+        self.stage = nn.Linear(d_model, 2, bias=False)  # shared vs routed
         nn.init.zeros_(self.router.weight)
         nn.init.zeros_(self.stage.weight)
         self.balance_loss: Tensor | None = None
@@ -176,7 +221,7 @@ class DynamicWeights(nn.Module):
         super().__init__()
         self.n = composition.n_dynamic
         hidden = 2 * self.n
-        self.hidden, self.out = Linear(d_model, hidden, bias=False), Linear(hidden, 2 * self.n, bias=False)
+        self.hidden, self.out = nn.Linear(d_model, hidden, bias=False), nn.Linear(hidden, 2 * self.n, bias=False)
         nn.init.normal_(self.hidden.weight, std=d_model**-0.5)
         nn.init.normal_(self.out.weight, std=hidden**-0.5)
         h, r = composition.n_heads, composition.rank
@@ -189,6 +234,7 @@ class DynamicWeights(nn.Module):
         return self.out(F.gelu(self.hidden(x))).split(self.n, dim=-1)
 
 
+@register("dcmha", options=("rank",), check=check_dcmha)
 class DCMHAttention(MultiHeadAttention):
     """Attention whose scores (before softmax) and weights (after softmax) are each composed
     across heads by a HeadComposition. It needs the explicit (batch, heads, q_len, k_len)
@@ -211,13 +257,17 @@ class DCMHAttention(MultiHeadAttention):
         if state is not None and static_kv:
             state["key_w"] = key_w
         elif state is not None:
-            key_w = cache.append(state, "key_w", key_w, dim=1)
+            key_w = torch.cat([state["key_w"], key_w], dim=1) if "key_w" in state else key_w
+            state["key_w"] = key_w
         return key_w
 
     def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):
         k, v = expand_kv_heads(q, k, v)
         q_pre, q_post = self.query_weights(query)
-        k_pre, k_post = self.key_dynamic(source, state, static_kv).split(self.pre.n_dynamic, dim=-1)
+        key_w = self.key_dynamic(source, state, static_kv)
+        if key_w.size(0) != q.size(0):  # beam search, as in MultiHeadAttention.forward
+            key_w = key_w.repeat_interleave(q.size(0) // key_w.size(0), dim=0)
+        k_pre, k_post = key_w.split(self.pre.n_dynamic, dim=-1)
         scores = self.pre(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), q_pre, k_pre)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -229,6 +279,7 @@ class DCMHAttention(MultiHeadAttention):
 # --- Overlapping heads -----------------------------------------------------------------------------
 
 
+@register("overlap", options=("overlap",), check=check_overlap)
 class OverlappingHeadsAttention(MultiHeadAttention):
     """Head i attends with features [i*d - o, (i+1)*d + o) of the projected queries, keys and
     values (zero beyond the ends), d = d_model / heads, o = overlap: each head shares o features
@@ -247,18 +298,3 @@ class OverlappingHeadsAttention(MultiHeadAttention):
             return super().split_heads(x, n_heads)
         x = F.pad(x, (self.overlap, self.overlap))
         return x.unfold(-1, self.head_size, self.d_head).transpose(1, 2)
-
-
-def build_attention(cfg, cross: bool, rotary: Rotary | None) -> MultiHeadAttention:
-    """The attention module of model config `cfg` (a ModelConfig); rotary positions only where
-    queries and keys share a sequence (cross=False)."""
-    a = cfg.attention
-    common = dict(d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads, dropout=cfg.attention_dropout, bias=cfg.bias)  # fmt: skip
-    rotary = None if cross else rotary
-    if a.kind == "moh":
-        return MoHAttention(**common, shared_heads=a.shared_heads, top_k=a.top_k, rotary=rotary)
-    if a.kind == "dcmha":
-        return DCMHAttention(**common, rank=a.rank, rotary=rotary)
-    if a.kind == "overlap":
-        return OverlappingHeadsAttention(**common, overlap=a.overlap, rotary=rotary)
-    return MultiHeadAttention(**common, rotary=rotary)

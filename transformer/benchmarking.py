@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from .devices import cpu_flags
+from .fast import accelerate
+from .model import ModelConfig, Transformer
 
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -69,12 +71,11 @@ def repeat(fn, times: int) -> None:
         fn()
 
 
-def our_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
-    """This package's Transformer with the same dimensions as `marian_model` takes."""
-    from .model import ModelConfig, Transformer
-
+def our_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, runtime=None):
+    """This package's Transformer with the same dimensions as `marian_model` takes, with the speed
+    paths `runtime` (a RuntimeConfig; default: all) asks for."""
     cfg = ModelConfig(vocab, n_encoder_layers=layers, n_decoder_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, dropout=dropout)  # fmt: skip
-    return Transformer(cfg)
+    return accelerate(Transformer(cfg), runtime)
 
 
 def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):

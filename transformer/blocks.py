@@ -1,22 +1,14 @@
-"""The pieces of a Transformer layer around attention: token embeddings, the three ways of
-giving positions, the position-wise feed-forward networks and Add & Norm (residual connection
-plus LayerNorm or RMSNorm). model.py assembles them; attention is in attention.py."""
+"""The pieces of a Transformer layer around attention: token embeddings (and word dropout), the
+three ways of giving positions, the position-wise feed-forward networks and Add & Norm (residual
+connection plus LayerNorm or RMSNorm). model.py assembles them; attention is in attention.py."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from .dropout import Dropout
-from .linear import Linear
-
-if TYPE_CHECKING:
-    from .model import ModelConfig
-
 
 # --- Embeddings and positions -------------------------------------------------------------------
 
@@ -33,6 +25,18 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.embed(tokens) * self.scale
+
+
+def word_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """x (batch, length, features) with each position's whole vector zeroed with probability p and
+    the kept ones scaled by 1 / (1 - p).
+
+    Applied to token embeddings before positions are added, the model is told that a word is
+    there but not which one, and must guess it from its context: a regularizer for small corpora
+    (word dropout; Sennrich and Zhang, 2019, used it for low-resource translation)."""
+    if not training or p == 0.0:
+        return x
+    return x * F.dropout(x.new_ones(*x.shape[:-1], 1), p)
 
 
 class SinusoidalPositions(nn.Module):
@@ -79,15 +83,17 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
-        self.linear1, self.linear2 = Linear(d_model, d_ff), Linear(d_ff, d_model)
-        self.dropout = Dropout(activation_dropout)
-        self.activation = "gelu" if activation == "gelu" else "relu"  # applied by linear1, see linear.linear
+        self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(activation_dropout)
+        self.activation = "gelu" if activation == "gelu" else "relu"
         for linear in (self.linear1, self.linear2):
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
+        hidden = self.linear1(x)  # (batch, len, d_ff)
+        hidden = F.gelu(hidden) if self.activation == "gelu" else F.relu(hidden)
+        return self.linear2(self.dropout(hidden))
 
 
 class SwiGLUFeedForward(nn.Module):
@@ -100,9 +106,9 @@ class SwiGLUFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float):
         super().__init__()
         hidden = max(8, round(2 * d_ff / 3 / 8) * 8)
-        self.gate_up = Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
-        self.down = Linear(hidden, d_model, bias=False)
-        self.dropout = Dropout(activation_dropout)
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)  # W_gate and W_up in one matrix
+        self.down = nn.Linear(hidden, d_model, bias=False)
+        self.dropout = nn.Dropout(activation_dropout)
         for linear in (self.gate_up, self.down):
             nn.init.xavier_uniform_(linear.weight)
 
@@ -111,19 +117,13 @@ class SwiGLUFeedForward(nn.Module):
         return self.down(self.dropout(F.silu(gate) * up))
 
 
-def feed_forward(cfg: ModelConfig) -> nn.Module:
-    if cfg.activation == "swiglu":
-        return SwiGLUFeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
-    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
-
-
 def make_norm(kind: str, d_model: int) -> nn.Module:
     """LayerNorm (mean and variance) or RMSNorm (root mean square only, no bias; Zhang & Sennrich 2019)."""
     return nn.RMSNorm(d_model) if kind == "rmsnorm" else nn.LayerNorm(d_model)
 
 
 class AddNorm(nn.Module):
-    """Residual connection and LayerNorm around a sublayer.
+    """Residual connection and normalization (LayerNorm or RMSNorm) around a sublayer.
 
     Post-norm (the paper): x = LayerNorm(x + Dropout(sublayer(x))).
     Pre-norm:              x = x + Dropout(sublayer(LayerNorm(x))).
@@ -132,7 +132,7 @@ class AddNorm(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool, norm: str = "layernorm"):
         super().__init__()
-        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), Dropout(dropout), norm_first
+        self.norm, self.dropout, self.norm_first = make_norm(norm, d_model), nn.Dropout(dropout), norm_first
 
     def before(self, x: Tensor) -> Tensor:
         return self.norm(x) if self.norm_first else x
@@ -140,7 +140,3 @@ class AddNorm(nn.Module):
     def after(self, x: Tensor, y: Tensor) -> Tensor:
         x = x + self.dropout(y)
         return x if self.norm_first else self.norm(x)
-
-
-def add_norm(cfg: ModelConfig) -> AddNorm:
-    return AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.norm)

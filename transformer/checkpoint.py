@@ -12,16 +12,12 @@ from pathlib import Path
 
 import torch
 
-from .data import DataError
+from .errors import CheckpointError, DataError
 from .files import atomic_open
 from .model import ModelConfig, Transformer
 from .tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
-
-
-class CheckpointError(Exception):
-    """A file that is not a loadable checkpoint of this format; the message names it."""
 
 
 def save(path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dict, step: int, **extra) -> None:
@@ -196,4 +192,9 @@ def train_config_of(payload: dict, path: Path) -> dict:
     train_config = payload.get("train_config")
     if not isinstance(train_config, dict) or not isinstance(train_config.get("data"), dict):
         raise CheckpointError(f"{path} has no train_config with its training data settings, which this script needs")
+    trainer = train_config.get("trainer", {})
+    if "chunked_loss" in trainer:  # a checkpoint from before the option moved to runtime.chunked_loss
+        runtime = train_config.get("runtime", {}) | {"chunked_loss": trainer["chunked_loss"]}
+        trainer = {key: value for key, value in trainer.items() if key != "chunked_loss"}
+        train_config = train_config | {"trainer": trainer, "runtime": runtime}
     return train_config

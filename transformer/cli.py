@@ -1,5 +1,6 @@
 """What translate.py, evaluate.py and the scripts share: key=value arguments checked against a
-dataclass, loading a checkpoint (or an ensemble) for decoding, and logging to stderr."""
+dataclass, the inputs of a script that scores a checkpoint, and logging to stderr. Loading a
+checkpoint (or an ensemble) to decode with is transformer.decoding.load_decoder."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from .config import ConfigError, to_config
+from .config import to_config
+from .errors import ConfigError
+from .fast import RuntimeConfig
 
 
 def parse_args(argv: list[str], schema: type, doc: str):
@@ -29,36 +32,15 @@ def parse_args(argv: list[str], schema: type, doc: str):
     return cfg
 
 
-def load_decoder(checkpoint: str, ensemble: list[str], device_name: str):
-    """(device, the model to decode with: one checkpoint or an Ensemble, its tokenizer, the first payload)."""
-    from .checkpoint import direction, language_pair, load_model, same_direction
-    from .decoder_models import Ensemble
-    from .devices import pick_device
-
-    device = pick_device(device_name)
-    model, tokenizer, payload = load_model(Path(checkpoint), device)
-    if not ensemble:
-        return device, model, tokenizer, payload
-    others = [load_model(Path(path), device) for path in ensemble]
-    pair = language_pair(payload.get("train_config"))
-    for path, (_, other_tokenizer, other_payload) in zip(ensemble, others):
-        other_pair = language_pair(other_payload.get("train_config"))
-        if not same_direction(pair, other_pair):
-            raise ConfigError(
-                f"ensemble checkpoint {path} translates {direction(other_pair)}, but {checkpoint} translates {direction(pair)}"
-            )
-        if not other_tokenizer.same_as(tokenizer):
-            raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
-    return device, Ensemble([model] + [m for m, _, _ in others]), tokenizer, payload
-
-
 @dataclass
 class ScoringInputs:
-    """The arguments of a script that scores a checkpoint: the model (or an ensemble) and the
-    corpus to decode, a split of the training run's corpus or a source and reference file."""
+    """The arguments of a script that scores a checkpoint: the model (or an ensemble), the speed
+    paths to run it with, and the corpus to decode, a split of the training run's corpus or a
+    source and reference file."""
 
     checkpoint: str = "???"
     ensemble: list[str] = field(default_factory=list)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # runtime.fast=false: the reference model
     split: str = "test_2016_flickr"
     data_dir: Optional[str] = None
     src_lang: Optional[str] = None

@@ -1,26 +1,25 @@
 """Typed run configuration. The only module that knows the shape of the Hydra config in configs/.
 
 Entry points compose a DictConfig with Hydra and call `to_config`; library code receives these
-dataclasses and never imports Hydra.
+dataclasses and never imports Hydra. The YAML files in configs/ hold only what differs from the
+dataclass defaults: `register_schema` gives Hydra the dataclasses as the base every config
+composes onto, so a key a YAML file leaves out can still be overridden by name.
 """
 
 from __future__ import annotations
 
-import errno
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .checkpoint import CheckpointError
-from .data import DataConfig, DataError
+from .data import DataConfig
 from .decoding import DecodeConfig
-from .errors import ConfigError, TrainingStopped
-from .files import WriteError
+from .errors import ConfigError
+from .fast import RuntimeConfig
 from .model import ModelConfig
-from .trainer_config import TrainerConfig
+from .training.config import TrainerConfig
 
 
 @dataclass
@@ -31,12 +30,21 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # speed paths: runtime=fast|reference
+
+
+def register_schema() -> None:
+    """Store Config in Hydra's ConfigStore as `schema`, the first entry of configs/config.yaml's
+    defaults list. Call it before composing (train.py does; so do the tests)."""
+    ConfigStore.instance().store(name="schema", node=Config)
 
 
 def to_config(cfg: DictConfig, schema: type = Config):
     """Validate a composed config against the dataclasses (unknown keys, types, ranges)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        # As plain containers: a key added to a typed node with Hydra's `+key=value` is refused here.
+        plain = OmegaConf.to_container(cfg) if OmegaConf.is_config(cfg) else cfg
+        merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(one_line(e)) from None
@@ -48,32 +56,3 @@ def one_line(error: OmegaConfBaseException) -> str:
     message = str(error).strip().splitlines()[0]
     key = getattr(error, "full_key", None)
     return f"config key {key}: {message}" if key else message
-
-
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
-
-
-@contextmanager
-def exit_on_user_error():
-    """Turn a user's mistake into one 'error: ...' line on stderr and exit status 2, no traceback."""
-    try:
-        yield
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except TrainingStopped as e:
-        print(str(e), file=sys.stderr)
-        sys.exit(e.exit_code)
-    except OSError as e:  # permission denied, read-only file system, disk full, a directory, ...
-        print(f"error: {io_error(e)}", file=sys.stderr)
-        sys.exit(2)
-
-
-WRITE_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG}
-
-
-def io_error(e: OSError) -> str:
-    """'cannot write PATH: reason' (or read): one line for a failed file operation."""
-    verb = "write" if isinstance(e, WriteError) or e.errno in WRITE_ERRNOS else "read"
-    where = f" {e.filename}" if e.filename else ""
-    return f"cannot {verb}{where}: {e.strerror or e}"

@@ -19,12 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .errors import DataError
+
 log = logging.getLogger(__name__)
 datasets.disable_progress_bars()
-
-
-class DataError(Exception):
-    """Bad input data; the message names the file, line or key at fault."""
 
 
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")

@@ -11,16 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import ConfigError
+from .errors import ConfigError, WriteError
 
 # torch.save writes a zip archive whose first record is <name>/data.pkl; its legacy format starts
 # with this pickled magic number.
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_TORCH_MAGIC = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)[:-1]
-
-
-class WriteError(OSError):
-    """An OSError raised while writing an output; `filename` is the output's path."""
 
 
 def check_output(path: str | Path, inputs: Iterable = (), key: str | None = "output") -> Path:

@@ -20,8 +20,7 @@ import torch
 from torch import Tensor
 
 from .attention import MultiHeadAttention
-from .linear import Linear
-from .model import Transformer
+from .model import Transformer, padding_mask
 
 
 def head_rows(linear: torch.nn.Linear, n_heads: int) -> tuple[Tensor, Tensor | None]:
@@ -110,7 +109,7 @@ def merge_heads(attn: MultiHeadAttention, n_kv_heads: int) -> None:
 
 
 def _linear(weight: Tensor, bias: Tensor | None) -> torch.nn.Linear:
-    linear = Linear(weight.size(1), weight.size(0), bias=bias is not None)
+    linear = torch.nn.Linear(weight.size(1), weight.size(0), bias=bias is not None)
     linear.weight.data.copy_(weight)
     if bias is not None:
         linear.bias.data.copy_(bias)
@@ -121,8 +120,6 @@ def _linear(weight: Tensor, bias: Tensor | None) -> torch.nn.Linear:
 def calibration_inputs(model: Transformer, batches: list[tuple[Tensor, Tensor]]) -> dict[int, Tensor]:
     """The non-padding key/value inputs each attention module sees on some (src, tgt_in) batches,
     keyed by id(module): (tokens, d_model)."""
-    from .model import padding_mask
-
     captured: dict[int, list[Tensor]] = {}
     keep: dict[int, Tensor] = {}
     hooks = []
@@ -144,7 +141,7 @@ def calibration_inputs(model: Transformer, batches: list[tuple[Tensor, Tensor]])
                 keep[id(attn)] = tgt_keep
             src_mask = padding_mask(src, model.cfg.pad_id)
             # The whole padded batch, which `keep` indexes (encode would split it by length).
-            model.decode(tgt, model.encode_padded(src, src_mask)[0], src_mask)
+            model.decode(tgt, Transformer.encode(model, src, src_mask)[0], src_mask)
     finally:
         for h in hooks:
             h.remove()

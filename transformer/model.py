@@ -1,8 +1,12 @@
 """The encoder-decoder Transformer of "Attention Is All You Need" (Vaswani et al., 2017).
 
 Read top to bottom: the configuration, the masks, the two layer kinds, the two stacks, and the
-model that ties them together. Attention is in attention.py; embeddings, positions, the
-feed-forward networks and Add & Norm are in blocks.py.
+model that ties them together. Attention is in attention.py (its variants in
+attention_variants.py); embeddings, positions, the feed-forward networks and Add & Norm are in
+blocks.py. docs/MODEL.md follows the paper section by section through this code.
+
+This is the reference: plain PyTorch modules, the same on every device. transformer/fast/ puts
+faster equivalents in place on a built model (`accelerate`); this module never imports it.
 
 Mask convention, used everywhere in this package: a boolean tensor where True means "this query
 may attend to this key". Masks broadcast against attention scores of shape
@@ -15,23 +19,23 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import cache
 from .attention import MultiHeadAttention, Rotary
-from .attention_variants import AttentionConfig, MoHAttention, build_attention
+from .attention_variants import AttentionConfig, build_attention
 from .blocks import (
+    AddNorm,
+    FeedForward,
     LearnedPositions,
     NoPositions,
     SinusoidalPositions,
+    SwiGLUFeedForward,
     TokenEmbedding,
-    add_norm,
-    feed_forward,
     make_norm,
+    word_dropout,
 )
-from .dropout import Dropout, word_dropout
-from .linear import Linear, PackedWeight, linear
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -52,7 +56,7 @@ class ModelConfig:
     d_ff: int = 2048
     dropout: float = 0.1  # on embeddings and on every sublayer output before the residual add
     attention_dropout: float = 0.0  # on attention weights
-    activation_dropout: float = 0.0  # inside the feed-forward network, after the ReLU
+    activation_dropout: float = 0.0  # inside the feed-forward network, after its activation
     word_dropout: float = 0.0  # whole input tokens of both sides in training: embedding zeroed, position kept
     bias: bool = True  # bias terms in the attention projections W_q, W_k, W_v, W_o
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
@@ -123,28 +127,17 @@ def causal_mask(query_len: int, offset: int = 0, device: torch.device | None = N
     return (key_pos <= query_pos)[None, None]
 
 
-def length_groups(real: Tensor, min_tokens: int = 256, ratio: float = 0.8) -> list[tuple[Tensor, int]]:
-    """Split a batch into groups of sentences of similar length, for encoding without most of
-    the padding: real (batch, len), True at real tokens -> [(rows, length)], each group's rows
-    and the length that holds all of their tokens.
-
-    Going from the longest sentence down, a group ends where the next sentence is shorter than
-    `ratio` times the group's longest, once the group holds `min_tokens` padded tokens (smaller
-    groups would pay more in per-product overhead than they save)."""
-    positions = torch.arange(1, real.size(1) + 1, device=real.device)
-    lengths = (real * positions).amax(1)  # up to the last real token, wherever the padding is
-    order = lengths.argsort(descending=True, stable=True).tolist()
-    sizes = lengths.tolist()
-    groups, start = [], 0
-    for i in range(1, len(order) + 1):
-        longest = sizes[order[start]]
-        if i == len(order) or (sizes[order[i]] < ratio * longest and (i - start) * longest >= min_tokens):
-            groups.append((torch.tensor(order[start:i], device=real.device), max(longest, 1)))
-            start = i
-    return groups
-
-
 # --- Layers -------------------------------------------------------------------------------------
+
+
+def feed_forward(cfg: ModelConfig) -> nn.Module:
+    if cfg.activation == "swiglu":
+        return SwiGLUFeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout)
+    return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation_dropout, cfg.activation)
+
+
+def add_norm(cfg: ModelConfig) -> AddNorm:
+    return AddNorm(cfg.d_model, cfg.dropout, cfg.norm_first, cfg.norm)
 
 
 class EncoderLayer(nn.Module):
@@ -188,29 +181,15 @@ class DecoderLayer(nn.Module):
         h, self_weights = self.self_attn(h, h, tgt_mask, self_state, need_weights=need_weights)
         x = self.self_attn_norm.after(x, h)
         h = self.cross_attn_norm.before(x)
-        h, cross_weights = cross_attend(self.cross_attn, h, memory, src_mask, cross_state, need_weights)
+        h, cross_weights = self.attend_memory(h, memory, src_mask, cross_state, need_weights)
         x = self.cross_attn_norm.after(x, h)
         x = self.ffn_norm.after(x, self.ffn(self.ffn_norm.before(x)))
         return x, {"self": self_weights, "cross": cross_weights}
 
-
-def cross_attend(attn, query: Tensor, memory: Tensor, src_mask: Tensor, state: dict | None, need_weights: bool):
-    """Cross-attention from queries (rows, len, d_model) to memory (sentences, src_len, d_model).
-
-    Beam search decodes k rows per sentence (consecutive rows) against one row of memory: each
-    sentence's rows fold into a longer query, since every query attends on its own. So the
-    source-side keys and values are computed, cached and read once per sentence, not per beam.
-    """
-    group = query.size(0) // memory.size(0)
-    if group == 1:
-        return attn(query, memory, src_mask, state, static_kv=True, need_weights=need_weights)
-    if group * memory.size(0) != query.size(0):
-        raise ValueError(f"{query.size(0)} target rows do not divide into {memory.size(0)} sentences")
-    rows, length = query.shape[:2]
-    out, weights = attn(query.reshape(memory.size(0), group * length, -1), memory, src_mask, state, True, need_weights)
-    if weights is not None:  # (sentences, heads, group * len, src_len) -> (rows, heads, len, src_len)
-        weights = weights.unflatten(2, (group, length)).transpose(1, 2).flatten(0, 1)
-    return out.reshape(rows, length, -1), weights
+    def attend_memory(self, query: Tensor, memory: Tensor, src_mask: Tensor, state: dict | None, need_weights: bool):
+        """Cross-attention from the decoder's queries (rows, len, d_model) to the encoder output
+        (sentences, src_len, d_model): one row per sentence, or in beam search k per sentence."""
+        return self.cross_attn(query, memory, src_mask, state, static_kv=True, need_weights=need_weights)
 
 
 # --- Stacks and the model -----------------------------------------------------------------------
@@ -219,7 +198,8 @@ def cross_attend(attn, query: Tensor, memory: Tensor, src_mask: Tensor, state: d
 @dataclass
 class DecoderState:
     """What incremental decoding keeps between steps: one dict per decoder layer holding the
-    self-attention keys/values of the tokens so far and the cross-attention keys/values of memory."""
+    self-attention keys/values of the tokens so far ("self") and the cross-attention keys/values
+    of memory ("cross"), each a dict of tensors with the batch first (see MultiHeadAttention)."""
 
     layers: list[dict] = field(default_factory=list)
     length: int = 0  # target tokens already decoded; the next token's position
@@ -229,17 +209,21 @@ class DecoderState:
 
         sources: the rows to keep of the cross-attention caches, which hold one row per source
         sentence; by default the same as index. (Beam search keeps one per sentence for its k
-        beams, see cross_attend, and passes the surviving sentences.)"""
+        beams and passes the surviving sentences.)"""
         for layer in self.layers:
-            cache.reorder(layer["self"], index)
+            self.reorder_cache(layer["self"], index)
             if "cross" in layer:
-                cache.reorder(layer["cross"], index if sources is None else sources)
+                self.reorder_cache(layer["cross"], index if sources is None else sources)
 
     def reorder_targets(self, index: Tensor) -> None:
         """Keep the target rows in `index` (beam search moving hypotheses between the beams of one
         sentence); the cross-attention caches, a function of the sources alone, stay as they are."""
         for layer in self.layers:
-            cache.reorder(layer["self"], index)
+            self.reorder_cache(layer["self"], index)
+
+    def reorder_cache(self, cache: dict, index: Tensor) -> None:
+        for name, tensor in cache.items():
+            cache[name] = tensor.index_select(0, index)
 
 
 class Transformer(nn.Module):
@@ -257,14 +241,13 @@ class Transformer(nn.Module):
             self.positions = LearnedPositions(cfg.d_model, cfg.max_positions)
         else:
             self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
-        self.embed_dropout = Dropout(cfg.dropout)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.n_decoder_layers))
         # Pre-norm leaves the residual stream un-normalized, so each stack ends with a norm.
         self.encoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
-        self.output = None if cfg.tie_output else Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.tied_packed = PackedWeight()  # the tied output projection's weight, reordered for CPU inference
+        self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.recompute = False  # set by the trainer (trainer.recompute): activation checkpointing per layer
 
     def run_layer(self, layer: nn.Module, *args):
@@ -280,36 +263,15 @@ class Transformer(nn.Module):
         return self.embed_dropout(self.positions(x, offset))
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
-        """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights.
-
-        At inference on CPU (no gradients, no weights asked for), a batch of mixed lengths is
-        encoded in groups of similar length (see `length_groups`), so the encoder's products skip
-        most of the padding. Memory past a group's longest sentence is zero; the mask hides it.
-        (On GPUs, where small products cost their launch more than their arithmetic, the batch
-        stays whole: not measured there.)"""
-        if need_weights or torch.is_grad_enabled() or self.training or src.device.type != "cpu":
-            return self.encode_padded(src, src_mask, need_weights)
-        groups = length_groups(src_mask.flatten(1))
-        if len(groups) == 1 and groups[0][1] == src.size(1):
-            return self.encode_padded(src, src_mask)
-        memory, weights = None, []
-        for rows, length in groups:
-            out, weights = self.encode_padded(src[rows, :length], src_mask[rows, ..., :length])
-            if memory is None:
-                memory = out.new_zeros(src.size(0), src.size(1), out.size(-1))
-            memory[rows, :length] = out
-        return memory, weights
-
-    def encode_padded(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
-        """`encode` of the whole padded batch at once."""
-        x, weights = self.embed_tokens(src, source=True), []
+        """src: (batch, src_len) -> memory (batch, src_len, d_model), per-layer attention weights."""
+        x, weights = self.embed_tokens(src, source=True), []  # (batch, src_len, d_model)
         for layer in self.encoder_layers:
             x, w = self.run_layer(layer, x, src_mask, need_weights)
             weights.append(w)
         return self.encoder_norm(x), weights
 
     def new_state(self) -> DecoderState:
-        """An empty incremental-decoding state (see transformer/decoding.py)."""
+        """An empty incremental-decoding state (see transformer/decoding/)."""
         return DecoderState()
 
     def decode(
@@ -325,7 +287,7 @@ class Transformer(nn.Module):
 
         With a `state`, tgt holds only the new tokens; earlier ones are read from the state.
         project=False returns the normalized decoder output instead of the logits, for a loss
-        that applies `output_weight` itself (losses.projected_cross_entropy).
+        that applies `output_weight` itself (fast/loss.py's chunked loss).
         """
         offset = state.length if state is not None else 0
         if state is not None and not state.layers:
@@ -346,7 +308,7 @@ class Transformer(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """(batch, len, d_model) -> logits (batch, len, vocab)"""
-        return linear(x, self.embed.embed.weight, None, self.tied_packed) if self.output is None else self.output(x)
+        return F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
 
     @property
     def output_weight(self) -> Tensor:
@@ -368,11 +330,11 @@ class Transformer(nn.Module):
         }
 
     def auxiliary_loss(self) -> Tensor | None:
-        """The MoH load-balancing losses of the last training forward pass, weighted by
-        model.attention.balance_weight and summed over layers; None for other attention kinds."""
-        losses = [m.balance_loss for m in self.modules() if isinstance(m, MoHAttention) and m.balance_loss is not None]
+        """The load-balancing losses (`balance_loss`, e.g. MoH's) of the last training forward
+        pass, weighted by model.attention.balance_weight and summed over layers; None if none."""
+        losses = [m.balance_loss for m in self.modules() if getattr(m, "balance_loss", None) is not None]
         for m in self.modules():
-            if isinstance(m, MoHAttention):
+            if hasattr(m, "balance_loss"):
                 m.balance_loss = None
         if not losses:
             return None

@@ -54,7 +54,7 @@ class GrowingCache:
         """Keep the rows in `index`, in that order (beam search's survivors, or the unfinished rows).
 
         With as many rows as before, only the rows that change are copied, in place: beam search
-        keeps a beam in its parent's slot where it can (see beams.stay_in_place), so most
+        keeps a beam in its parent's slot where it can (see decoding/beam.py: stay_in_place), so most
         rows stay. Fewer rows gather into the spare buffer."""
         rows = index.numel()
         if rows == self.buffer.size(0):

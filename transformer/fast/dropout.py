@@ -1,24 +1,19 @@
-"""Dropout whose random mask is cheap to draw on a CPU.
+"""Dropout whose random mask is cheap to draw on a CPU (replaces nn.Dropout's forward).
 
 On a CPU, torch's dropout draws every element's Bernoulli sample on its own: one call of the
 Mersenne Twister and a double-precision comparison per element, on one thread (torch uses MKL's
-vectorized generator for this on Intel CPUs only). On a 2-core AMD EPYC (Zen 4) a mask of 4M
-elements took 40 ms, about 10 ns per element; in a profile of model=small the masks were 6.5% of
-an fp32 training step.
+vectorized generator for this on Intel CPUs only).
 
 `Dropout` here draws 64-bit random words instead, four elements to a word: each element keeps
 its value when its 16-bit quarter of the word is at or above a threshold. The drop probability
 is therefore rounded to a multiple of 2^-16 (0.3 becomes 0.300003), and kept values are scaled
 by the inverse of the exact keep probability, so the expectation is unchanged. The mask is
-saved for the backward pass as one byte per element (torch saves a float per element). On that
-EPYC, forward and backward of 4M elements take 13.6 ms against torch's 42.8, and a small fp32
-training step 0.4-3.5% less time (README, Speed).
+saved for the backward pass as one byte per element (torch saves a float per element).
+docs/PERFORMANCE.md has the measured effect.
 
 Masks come from torch's default generator, so `torch.manual_seed` makes them repeatable and
 activation recomputation (torch.utils.checkpoint) replays them. On other devices `Dropout`
 calls torch's fused dropout kernel.
-
-`word_dropout` drops whole token vectors instead of single features (model.word_dropout).
 """
 
 from __future__ import annotations
@@ -76,14 +71,8 @@ class Dropout(nn.Dropout):
         return dropout(x, self.p, self.training)
 
 
-def word_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """x (batch, length, features) with each position's whole vector zeroed with probability p and
-    the kept ones scaled by 1 / (1 - p).
-
-    Applied to token embeddings before positions are added, the model is told that a word is
-    there but not which one, and must guess it from its context: a regularizer for small corpora
-    (word dropout; Sennrich and Zhang, 2019, used it for low-resource translation). The mask is
-    one number per token, so torch's own dropout draws it cheaply on any device."""
-    if not training or p == 0.0:
-        return x
-    return x * F.dropout(x.new_ones(*x.shape[:-1], 1), p)
+def install(model: nn.Module) -> None:
+    """Every nn.Dropout of `model` drawing its masks with `dropout` (same probability)."""
+    for module in model.modules():
+        if type(module) is nn.Dropout:
+            module.__class__ = Dropout

@@ -25,12 +25,14 @@ from pathlib import Path
 
 import torch
 
-from .cli import load_decoder
-from .config import exit_on_user_error
-from .data import tokenize
-from .decoding import translate_corpus
-from .errors import ConfigError, TrainingStopped
-from .files import write_texts
+from ..data import clean_training_pairs, load_split, tokenize
+from ..decoding import load_decoder, translate_corpus
+from ..errors import ConfigError, TrainingStopped, exit_on_user_error
+from ..evaluation import score
+from ..fast import RuntimeConfig
+from ..files import write_texts
+from ..tokenizer import Tokenizer
+from .experiment import evaluate_tests, report, run_one, train_tokenizer
 from .resume import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -50,9 +52,6 @@ def member_configs(cfg) -> list:
 
 def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: tuple[bytes, bytes | None]) -> None:
     """A member's process: its log goes to its own train.log and, prefixed, to the parent's stdout."""
-    from .experiment import run
-    from .tokenizer import Tokenizer
-
     stop_when_orphaned(os.getppid())
     run_dir.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"[%(asctime)s] member{index}: %(message)s", "%H:%M:%S")
@@ -62,7 +61,7 @@ def train_member(cfg, run_dir: Path, index: int, tokenizer_bytes: tuple[bytes, b
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     with exit_on_user_error():
         try:
-            run(cfg, run_dir, tests=False, tokenizer=Tokenizer(*tokenizer_bytes))
+            run_one(cfg, run_dir, tests=False, tokenizer=Tokenizer(*tokenizer_bytes))
         except TrainingStopped as e:
             if e.exit_code <= 128:
                 raise
@@ -102,10 +101,6 @@ def join_forwarding_signals(processes: list, stop: GracefulStop) -> None:
 def shared_tokenizer(cfg, run_dir: Path):
     """The tokenizer every member starts from, trained once (run_dir/spm.model, kept for reruns):
     an ensemble needs one vocabulary, and data errors show before any member starts."""
-    from .data import clean_training_pairs, load_split
-    from .experiment import train_tokenizer
-    from .tokenizer import Tokenizer
-
     if (run_dir / "spm.model").exists() and not cfg.trainer.overwrite:
         return Tokenizer.load(run_dir / "spm.model")
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
@@ -161,21 +156,18 @@ def candidates(dirs: list[Path]) -> dict[str, list[Path]]:
     return {"best": best, name: averages, f"best+{name}": best + averages}
 
 
-def load_ensemble(paths: list[Path], device_name: str):
+def load_ensemble(paths: list[Path], device_name: str, runtime: RuntimeConfig):
     """(device, the Ensemble of the checkpoints, their one tokenizer), as translate.py loads one."""
-    device, model, tokenizer, _ = load_decoder(str(paths[0]), [str(p) for p in paths[1:]], device_name)
+    device, model, tokenizer, _ = load_decoder(str(paths[0]), [str(p) for p in paths[1:]], device_name, runtime)
     return device, model, tokenizer
 
 
 def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tuple[str, dict]:
     """(the name of the ensemble with the highest validation BLEU, every option's score)."""
-    from .evaluation import score
-    from .experiment import report
-
     scores, corpus = {}, None
     for name, paths in options.items():
         started = time.monotonic()
-        device, model, tokenizer = load_ensemble(paths, cfg.trainer.device)
+        device, model, tokenizer = load_ensemble(paths, cfg.trainer.device, cfg.runtime)
         if corpus is None:  # every option holds the same members, so one tokenizer
             corpus = tokenize(valid_split, tokenizer)
         scores[name] = score(translate_corpus(model, corpus, tokenizer, cfg.decode, device), corpus.tgt_text).bleu
@@ -189,9 +181,6 @@ def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tu
 def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     """Train the members, choose their ensemble on validation, score it on the test splits and
     write results.json (the members' own summaries included)."""
-    from .data import load_split
-    from .experiment import evaluate_tests, report
-
     if cfg.trainer.resume:
         raise ConfigError("trainer.resume names one run; with trainer.members > 1 run the same command again instead")
     started = time.monotonic()
@@ -201,7 +190,7 @@ def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     options = candidates(dirs)
     chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))
     report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
-    device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device)
+    device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device, cfg.runtime)
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
     summary = {
         "members": [json.loads((d / "results.json").read_text()) for d in dirs],

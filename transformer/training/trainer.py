@@ -1,6 +1,6 @@
-"""The training loop: Adam with a warmup schedule (the paper's, or a decay to the budget's end),
-label-smoothed cross-entropy, periodic validation (loss and greedy BLEU), last/best checkpoints
-and early stopping."""
+"""The training loop: batches, one optimizer step (forward, backward, update), periodic validation
+(loss and greedy BLEU), last/best checkpoints and early stopping. The objective is objective.py,
+the optimizer and its learning-rate schedule optimizer.py and schedule.py."""
 
 from __future__ import annotations
 
@@ -9,27 +9,46 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import checkpoint
-from .data import Batch, DataError, SubwordSampler, TokenizedCorpus, collate, token_batches
-from .devices import autocast_dtype
+from .. import checkpoint
+from ..data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
+from ..devices import autocast_dtype
+from ..errors import DataError, TrainingStopped
+from ..fast.linear import refresh_packed_weights_after
+from ..model import Transformer
+from ..monitoring import Monitor, Throughput
+from ..plotting import attention_figures
 from .distributed import World
-from .errors import TrainingStopped
-from .losses import scheduled_lr, trainer_adam, training_objective
-from .model import Transformer
-from .monitoring import Monitor, Throughput
-from .plotting import attention_figures
+from .objective import training_objective
+from .optimizer import trainer_adam
 from .resume import GracefulStop, rng_states, set_rng_states
-from .trainer_config import TrainState
+from .schedule import scheduled_lr
 from .validation import validate
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """What a run keeps track of, saved in every resumable checkpoint."""
+
+    step: int = 0
+    epoch: int = 1
+    batch_in_epoch: int = 0  # batches of the current epoch already consumed
+    best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
+    best_step: int = 0  # the step of checkpoint_best.pt (0: none yet)
+    bad_evals: int = 0
+    bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
+    train_tokens: int = 0  # non-padding source + target tokens seen
+    train_seconds: float = 0.0  # wall time of the loop, validation included
+    valid_seconds: float = 0.0  # of which validation
+    warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
 
 
 # --- The trainer --------------------------------------------------------------------------------
@@ -67,6 +86,11 @@ class Trainer:
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         t = self.tcfg
         self.optimizer = trainer_adam(model.parameters(), t, self.device)
+        runtime = cfg.runtime
+        if runtime.fast and runtime.onednn_linear:  # inference's packed weights must see each update
+            refresh_packed_weights_after(self.optimizer)
+        self.chunked_loss = runtime.fast and runtime.chunked_loss  # the output layer and loss: fast/loss.py
+        self.onednn = runtime.onednn_linear
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.lengths = train.lengths()
@@ -200,12 +224,12 @@ class Trainer:
             src, tgt_in = batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1)
         else:
             src, tgt_in = batch.src, batch.tgt_in
-        chunked = self.tcfg.chunked_loss and not self.tcfg.rdrop  # R-Drop's KL needs the logits
+        chunked = self.chunked_loss and not self.tcfg.rdrop  # R-Drop's KL needs the logits
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             out = self.forward_model(src, tgt_in, project=not chunked)
         weight = self.model.output_weight if chunked else None
         loss, objective = training_objective(
-            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype
+            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype, self.onednn
         )
         objective = objective * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted

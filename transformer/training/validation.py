@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .data import TokenizedCorpus, collate, token_batches
-from .decoding import DecodeConfig, translate_ids
-from .evaluation import score
-from .losses import label_smoothed_loss
-from .monitoring import progress_bar
+from ..data import TokenizedCorpus, collate, token_batches
+from ..decoding import DecodeConfig, translate_ids
+from ..evaluation import score
+from ..monitoring import progress_bar
+from .objective import label_smoothed_loss
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import TrainingStopped
+from ..errors import TrainingStopped
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Other implementations of the decoding interface of transformer/decoding.py.
+"""Other implementations of the decoding interface (transformer/decoding/__init__.py).
 
 `Uncached` recomputes the whole target prefix at every step (no key/value cache): the reference
 that cached decoding is tested and benchmarked against. `Ensemble` averages the next-token
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import DecoderState, Transformer
+from ..model import DecoderState, Transformer
 
 
 @dataclass

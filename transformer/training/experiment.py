@@ -1,4 +1,5 @@
-"""A whole experiment: data and tokenizer -> model -> training -> test BLEU and sample translations."""
+"""One run: data and tokenizer -> model -> training -> test BLEU and sample translations, in one
+process or, started by torchrun, in several (distributed.py). members.py runs several of these."""
 
 from __future__ import annotations
 
@@ -15,11 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import checkpoint, distributed
-from .checkpoint import CheckpointError
-from .config import USER_ERRORS
-from .data import (
-    DataError,
+from .. import checkpoint
+from ..data import (
     TokenizedCorpus,
     clean_training_pairs,
     corpus_file,
@@ -31,15 +29,17 @@ from .data import (
     training_text,
     write_lines,
 )
-from .decoding import translate_corpus
-from .devices import autocast_dtype, pick_device, require_cpp_compiler
-from .errors import ConfigError
-from .evaluation import score
-from .files import write_texts
-from .model import Transformer, count_parameters
+from ..decoding import translate_corpus
+from ..devices import autocast_dtype, pick_device
+from ..errors import USER_ERRORS, CheckpointError, DataError
+from ..evaluation import score
+from ..fast import accelerate
+from ..files import write_texts
+from ..model import Transformer, count_parameters
+from ..tokenizer import Tokenizer
+from . import distributed
 from .resume import check_compatible, clear_run, make_deterministic, remove_unfinished, resume_path
-from .tokenizer import Tokenizer
-from .training import Trainer, to_plain
+from .trainer import Trainer, to_plain
 
 log = logging.getLogger(__name__)
 
@@ -206,20 +206,14 @@ def remove_hydra_only_dir(run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None, record: dict | None = None) -> dict:
-    """Train (or resume), then evaluate the best checkpoint on the test splits (unless tests=False).
-    Returns the test scores (on rank 0; other ranks of a distributed run return an empty dict after
-    training). trainer.members > 1 trains several models at once and ensembles them (members.py).
-    A given tokenizer is used instead of training one (members share their parent's). `record`:
-    {file name: text} written under run_dir/.hydra once the run is known to start."""
-    if cfg.trainer.compile:
-        require_cpp_compiler(pick_device(cfg.trainer.device))
-    if cfg.trainer.members > 1:
-        from .members import run_members
-
-        if distributed.launched():
-            raise ConfigError("trainer.members > 1 trains in separate processes; it cannot run under torchrun")
-        return run_members(cfg, Path(run_dir), record)
+def run_one(
+    cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None, record: dict | None = None
+) -> dict:
+    """Train (or resume) one model, then evaluate its best checkpoint on the test splits (unless
+    tests=False). Returns the test scores (on rank 0; other ranks of a distributed run return an
+    empty dict after training). A given tokenizer is used instead of training one (members share
+    their parent's). `record`: {file name: text} written under run_dir/.hydra once the run is known
+    to start."""
     world, device, run_dir = join_world(cfg, Path(run_dir))
     try:
         return run_in_world(cfg, run_dir, world, device, tests, tokenizer, record)
@@ -311,7 +305,7 @@ def run_in_world(
         f", {world.size} processes" if world.distributed else "",
     )
     resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer, record)
-    model = build_model(cfg, tokenizer, device)
+    model = accelerate(build_model(cfg, tokenizer, device), cfg.runtime)  # the speed paths, before any weights load
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:
         trainer.restore(resumed)

@@ -1,9 +1,7 @@
-"""Linear layers whose fp32 products on CPU run on oneDNN.
+"""Linear layers whose fp32 products on CPU run on oneDNN (replaces nn.Linear's forward).
 
 torch computes an fp32 `F.linear` on CPU with its BLAS library (MKL in the x86 wheels) and a bf16
-one with oneDNN. On some CPUs the BLAS path is far from the hardware's speed: on a 2-core AMD
-EPYC (AVX-512), oneDNN's fp32 kernels did the same products 1.4-3x as fast, forward and backward;
-on another (family 25, Zen 4) about 1.25x (scripts/benchmark.py measures both paths). So
+one with oneDNN; on some CPUs oneDNN's fp32 kernels are much faster (docs/PERFORMANCE.md). So
 `linear` sends CPU fp32 products to oneDNN:
 
 - in training, through `_OneDNNLinear`, whose backward is two more oneDNN products
@@ -12,30 +10,22 @@ on another (family 25, Zen 4) about 1.25x (scripts/benchmark.py measures both pa
 - in inference (no gradients), with the weight reordered once into oneDNN's blocked layout
   (`PackedWeight`), which is faster again at the few rows a decoding step has.
 
-Inference under CPU bf16 autocast (decoding with decode.precision=bf16) takes the same packed
-path with a bf16 copy of the weight, reordered once. Under autocast `F.linear` hands oneDNN the
-plain bf16 weight, which oneDNN reorders again at every product: at the shapes of a decoding step
-(64-320 rows) the packed product took about 1.2-2.3x less time on a Zen 5 EPYC, with the same
-result, and decoding in bf16 became 1.04-1.22x faster (README, Speed).
-
-Everything else (GPUs, bf16 training, torch.compile, other dtypes) takes `F.linear` unchanged.
-`TRANSFORMER_ONEDNN_LINEAR=0` in the environment, or `set_onednn(False)`, turns the oneDNN path
-off. `Linear` is `nn.Linear` with this forward: same parameters, same state dict.
+Inference under CPU bf16 autocast takes the same packed path with a bf16 copy of the weight,
+reordered once: under autocast `F.linear` hands oneDNN the plain bf16 weight, which oneDNN
+reorders again at every product. Everything else (GPUs, bf16 training, torch.compile, other
+dtypes) takes `F.linear` unchanged. `Linear` is `nn.Linear` with this forward: same parameters,
+same state dict; `install` turns a model's nn.Linear layers into it (runtime.onednn_linear=false
+keeps them on F.linear).
 
 oneDNN builds a primitive for every product shape and keeps up to 1024 of them in two caches
-(its own and that of ideep, torch's wrapper), with buffers of several MB each. Training batches
-come in many shapes, so with those defaults a process grows with every new one: 1.4 GB over 80
-shapes of one layer's forward and backward (tests/test_linear.py), and the small model's peak in
-scripts/benchmark.py went from about 2,170 to 1,800 MB in 10 steps once bounded. Importing this
-module bounds both caches at `CACHE_CAPACITY` entries, unless the environment already sets
-ONEDNN_PRIMITIVE_CACHE_CAPACITY or LRU_CACHE_CAPACITY: enough for the shapes of one training or
-decoding step, which repeat across layers, with no measured loss of speed. It takes effect when
-this module is imported before oneDNN's first product in the process.
+(its own and that of ideep, torch's wrapper), with buffers of several MB each; training batches
+come in many shapes, so with those defaults a process grows with every new one.
+`bound_primitive_caches` (called by `install`) bounds both at `CACHE_CAPACITY` entries, unless
+the environment already sets them: it takes effect before oneDNN's first product in a process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -44,33 +34,17 @@ from torch import Tensor, nn
 
 CACHE_CAPACITY = 16
 CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's own cache, ideep's
-CACHE_VARIABLES_SET = [v for v in CACHE_VARIABLES if v not in os.environ]  # by this module, not the user
-for _variable in CACHE_VARIABLES_SET:
-    os.environ[_variable] = str(CACHE_CAPACITY)
-
-_enabled = os.environ.get("TRANSFORMER_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
-_BF16_SUPPORTED = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+AVAILABLE = torch.backends.mkldnn.is_available()
+_BF16_SUPPORTED = AVAILABLE and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def set_onednn(enabled: bool) -> bool:
-    """Turn the oneDNN path on or off for this process; returns the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled) and torch.backends.mkldnn.is_available()
-    return previous
-
-
-def onednn_enabled() -> bool:
-    return _enabled
-
-
-@contextlib.contextmanager
-def onednn(enabled: bool):
-    """The oneDNN path on or off inside a `with` block (benchmarks and tests compare the two)."""
-    previous = set_onednn(enabled)
-    try:
-        yield
-    finally:
-        set_onednn(previous)
+def bound_primitive_caches() -> list[str]:
+    """Bound oneDNN's and ideep's primitive caches at CACHE_CAPACITY entries where the environment
+    does not set them; returns the variables set."""
+    unset = [v for v in CACHE_VARIABLES if v not in os.environ]
+    for variable in unset:
+        os.environ[variable] = str(CACHE_CAPACITY)
+    return unset
 
 
 TRANSPOSE_LIMIT = 2**23  # elements of dY (32 MB in fp32) above which dW = dY^T X goes to BLAS
@@ -135,8 +109,7 @@ class PackedWeight:
 
 def _use_onednn(x: Tensor, weight: Tensor) -> bool:
     return (
-        _enabled
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and x.numel() > 0
         and not torch.is_autocast_enabled("cpu")
@@ -147,8 +120,7 @@ def _use_onednn(x: Tensor, weight: Tensor) -> bool:
 def _packs_bf16(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Inference under CPU bf16 autocast, which the packed bf16 weight can serve."""
     return (  # the autocast check first: fp32 training and inference leave at it
-        _enabled
-        and _BF16_SUPPORTED
+        _BF16_SUPPORTED
         and torch.is_autocast_enabled("cpu")
         and torch.get_autocast_dtype("cpu") == torch.bfloat16
         and x.device.type == "cpu"
@@ -170,11 +142,14 @@ def linear(
     bias: Tensor | None = None,
     packed: PackedWeight | None = None,
     activation: str | None = None,
+    onednn: bool = True,
 ) -> Tensor:
     """F.linear(x, weight, bias), on oneDNN for CPU fp32; `packed` caches the reordered weight
     for inference, in bf16 too for inference under CPU bf16 autocast. `activation` ("relu" or
     "gelu") is applied to the result: at inference on oneDNN inside the product, which saves a
-    pass over the output."""
+    pass over the output. onednn=False: F.linear and the activation, always."""
+    if not (onednn and AVAILABLE):
+        return _activate(F.linear(x, weight, bias), activation)
     if packed is not None and _packs_bf16(x, weight, bias):
         packed_weight, packed_bias = packed.get(weight, bias, torch.bfloat16)
         return _product(x.to(torch.bfloat16), packed_weight, packed_bias, activation)
@@ -194,9 +169,33 @@ def _activate(x: Tensor, activation: str | None) -> Tensor:
 class Linear(nn.Linear):
     """nn.Linear computed by `linear`."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, onednn: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
+        self.packed, self.onednn = PackedWeight(), onednn
 
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed, activation)
+        return linear(x, self.weight, self.bias, self.packed, activation, self.onednn)
+
+
+def install(model: nn.Module, onednn: bool = True) -> None:
+    """Every nn.Linear of `model` computed by `linear` (same parameters; onednn=False: F.linear)."""
+    if onednn:
+        bound_primitive_caches()
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = Linear
+            module.packed, module.onednn = PackedWeight(), onednn
+
+
+def refresh_packed_weights_after(optimizer: torch.optim.Optimizer) -> None:
+    """torch's fused Adam updates the weights without bumping their version counters, and
+    `PackedWeight` keeps its reordered copy until the version changes: after each step of a fused
+    parameter group, bump them, so that inference (validation) sees the new weights."""
+
+    def bump(optimizer, args, kwargs) -> None:
+        # Per group: a resumed optimizer takes its groups' settings, "fused" too, from the checkpoint.
+        fused = [p for group in optimizer.param_groups if group.get("fused") for p in group["params"]]
+        if fused:
+            torch.autograd.graph.increment_version(fused)
+
+    optimizer.register_step_post_hook(bump)

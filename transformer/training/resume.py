@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import numbered
-from .errors import ConfigError
+from ..checkpoint import numbered
+from ..errors import ConfigError
 
 # Settings that may change between an interrupted run and its resumption without changing what
-# it computes: budgets, logging, where and whether to resume.
+# it computes: budgets, logging, where and whether to resume, and the speed paths (runtime).
 RESUMABLE_CHANGES = {
     "trainer.resume", "trainer.overwrite", "trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes",
     "trainer.patience", "trainer.log_every", "trainer.keep_last", "trainer.average_last", "trainer.device", "trainer.compile", "trainer.recompute", "trainer.max_bad_steps",
-    "data.test_splits", "decode",
+    "data.test_splits", "decode", "runtime",
 }  # fmt: skip
 
 
@@ -73,16 +73,17 @@ BUDGET = {"trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes"}
 def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
     """Keys whose values differ between a checkpoint's training config and the current one.
 
-    A key the checkpoint lacks (an option newer than it) counts as its value in `defaults`. The
+    A key the checkpoint lacks (an option newer than it) counts as its value in `defaults`; a key
+    only the checkpoint has (an option since removed, e.g. trainer.chunked_loss) is ignored. The
     budget may change on resume, except when the learning-rate schedule depends on it."""
     a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
     trainer = current.get("trainer", {})
     resumable = RESUMABLE_CHANGES
     if trainer.get("schedule", "inverse_sqrt") != "inverse_sqrt" or trainer.get("cooldown", 0.0) > 0:
         resumable = RESUMABLE_CHANGES - BUDGET
-    keys = sorted((set(a) | set(b)) - resumable)
+    keys = sorted(set(b) - resumable)
     before = {k: a[k] if k in a else d.get(k) for k in keys}
-    return [f"{k} ({before[k]!r} in the checkpoint, {b.get(k)!r} now)" for k in keys if before[k] != b.get(k)]
+    return [f"{k} ({before[k]!r} in the checkpoint, {b[k]!r} now)" for k in keys if before[k] != b[k]]
 
 
 def resume_path(resume: str | None, run_dir: Path, overwrite: bool) -> Path | None:

@@ -1,5 +1,5 @@
-"""What a training run is told (TrainerConfig, the `trainer:` group of configs/) and what it
-keeps track of (TrainState, saved in every resumable checkpoint)."""
+"""What a training run is told: TrainerConfig, the `trainer:` group of configs/ (part of the typed
+Config of transformer/config.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .devices import PRECISIONS
-from .losses import SCHEDULES
+from ..devices import PRECISIONS
+from .schedule import SCHEDULES
 
 
 @dataclass
@@ -44,7 +44,6 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the training forward pass (needs a C++ compiler on CPU)
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
-    chunked_loss: bool = True  # output layer and loss in chunks, no full logits (projected_cross_entropy)
     members: int = 1  # models trained at once (seeds seed..seed+N-1, cores/N threads each), then ensembled
 
     def __post_init__(self) -> None:
@@ -78,18 +77,3 @@ class TrainerConfig:
             raise ValueError(f"trainer.label_smoothing={self.label_smoothing} is not in [0, 1)")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    epoch: int = 1
-    batch_in_epoch: int = 0  # batches of the current epoch already consumed
-    best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
-    best_step: int = 0  # the step of checkpoint_best.pt (0: none yet)
-    bad_evals: int = 0
-    bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
-    train_tokens: int = 0  # non-padding source + target tokens seen
-    train_seconds: float = 0.0  # wall time of the loop, validation included
-    valid_seconds: float = 0.0  # of which validation
-    warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended

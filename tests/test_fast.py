@@ -1,0 +1,158 @@
+"""Every fast path against the reference it replaces (transformer/fast/ against transformer/model.py,
+attention.py, blocks.py): kernels, caches, folded beams, grouped encoding, and whole models trained
+and decoded under both runtimes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer.attention import scaled_dot_product_attention
+from transformer.decoding import DecodeConfig, beam_search, greedy
+from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast.attention import fast_attention, product_attention
+from transformer.fast.encoding import length_groups
+from transformer.fast.model import FastTransformer
+from transformer.model import Transformer, padding_mask
+
+from .test_model import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
+
+
+def test_accelerate_keeps_the_parameters_and_the_state_dict():
+    plain = make_model()
+    state = {name: t.clone() for name, t in plain.state_dict().items()}
+    fast = accelerate(plain)
+    assert isinstance(fast, FastTransformer)
+    assert state.keys() == fast.state_dict().keys()
+    assert all(torch.equal(state[name], t) for name, t in fast.state_dict().items())
+    assert accelerate(make_model(), RuntimeConfig(fast=False)).__class__ is Transformer
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_fast_training_step_equals_the_reference(variant):
+    """Forward, loss and gradients of a training batch (no dropout) agree between the runtimes."""
+    results = []
+    for runtime in ("reference", "fast"):
+        model = make_model(runtime, **variant).train()
+        src, tgt = random_tokens(3, 7), random_tokens(3, 6)
+        src[2, 5:] = PAD
+        loss = F.cross_entropy(model(src, tgt).flatten(0, 1), tgt.flatten(), label_smoothing=0.1)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(grads, ref_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_fast_decoding_equals_the_reference(variant):
+    """Greedy and beam search (folded beams, growing caches, grouped encoding) find the same
+    translations and scores under both runtimes."""
+    src = random_tokens(5, 9)
+    src[3:, 6:] = PAD
+    cfg = DecodeConfig(beam_size=3, max_len_a=1.0, max_len_b=4)
+    out = {}
+    for runtime in ("reference", "fast"):
+        model = make_model(runtime, **variant).double()
+        with torch.no_grad():
+            out[runtime] = (greedy(model, src, BOS, EOS, cfg), beam_search(model, src, BOS, EOS, cfg))
+    assert out["fast"][0] == out["reference"][0]
+    for fast, ref in zip(out["fast"][1], out["reference"][1]):
+        assert [h.tokens for h in fast] == [h.tokens for h in ref]
+        assert [h.score for h in fast] == pytest.approx([h.score for h in ref], abs=1e-9)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
+    """bf16 on CPU takes the batched products, for decoding (one query here) and for training;
+    both must give the fp32 result to bf16 precision, masks included."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 4, n, 16) for n in (1, 9, 9))
+    mask = torch.ones(3, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    expected = fast_attention(q, k, v, mask, 0.0)
+    q16, k16, v16 = (x.bfloat16().requires_grad_(grad) for x in (q, k, v))
+    with torch.set_grad_enabled(grad):
+        out = fast_attention(q16, k16, v16, mask, 0.0)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    if grad:
+        out.float().sum().backward()
+        assert q16.grad is not None and k16.grad[1, :, 6:].abs().max() == 0  # masked keys get no gradient
+
+
+@pytest.mark.parametrize("kv_heads, q_len, mask_rows", [(4, 1, 1), (2, 3, 1), (1, 5, 5), (4, 7, 7), (2, 4, 0)], ids=str)
+def test_product_attention_equals_the_fused_kernel(kv_heads, q_len, mask_rows):
+    """The decoding-step route (two batched products) computes what scaled_dot_product_attention
+    does, for MHA and grouped-query heads, with padding masks, causal-shaped masks and none."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, q_len, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, kv_heads, 9, 8, dtype=torch.float64).unbind(0)
+    mask = None
+    if mask_rows:
+        mask = torch.rand(3, 1, mask_rows, 9) > 0.4
+        mask[..., 0] = True  # every query keeps a key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(product_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_product_attention_drops_weights_like_the_explicit_path():
+    """With attention dropout (training), the products drop the same weights as the explicit
+    softmax-dropout-matmul path from the same seed, and gradients reach q, k and v."""
+    q, k, v = (torch.randn(2, 4, n, 8, dtype=torch.float64, requires_grad=True) for n in (5, 7, 7))
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True
+    torch.manual_seed(3)
+    out = product_attention(q, k, v, mask, dropout_p=0.5)
+    torch.manual_seed(3)
+    expected, _ = scaled_dot_product_attention(q, k, v, mask, dropout_p=0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, product_attention(q, k, v, mask))  # something was dropped
+    out.sum().backward()
+    assert all(x.grad is not None and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
+def test_cross_attention_of_grouped_beams_equals_attention_to_repeated_memory():
+    """Beam search folds a sentence's k rows into one query against one row of memory; outputs
+    and weights must be those of k rows attending to k copies of the memory."""
+    model = make_model("fast")
+    layer = model.decoder_layers[0]
+    torch.manual_seed(0)
+    memory, query = torch.randn(2, 6, 32), torch.randn(6, 4, 32)  # 2 sentences x 3 beams, 4 target positions
+    src_mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    src_mask[1, ..., 4:] = False
+    with torch.no_grad():
+        out, weights = layer.attend_memory(query, memory, src_mask, {}, need_weights=True)
+        reference, ref_weights = layer.cross_attn(
+            query, memory.repeat_interleave(3, 0), src_mask.repeat_interleave(3, 0), None, True, True
+        )
+    torch.testing.assert_close(out, reference)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+def test_length_groups_hold_every_row_once_with_all_of_its_tokens():
+    torch.manual_seed(0)
+    lengths = torch.randint(1, 41, (64,))
+    real = torch.arange(40)[None, :] < lengths[:, None]
+    groups = length_groups(real, min_tokens=64)
+    rows = torch.cat([r for r, _ in groups])
+    assert sorted(rows.tolist()) == list(range(64))
+    for r, length in groups:
+        assert int(lengths[r].max()) == length
+    assert 1 < len(groups) < 64
+    padded = sum(len(r) * length for r, length in groups)
+    assert padded < 0.75 * 64 * 40  # most of the padding is gone
+    assert len(length_groups(real, min_tokens=10**6)) == 1  # small batches stay whole
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
+def test_encoding_in_length_groups_equals_encoding_the_padded_batch(variant):
+    model = make_model("fast", **variant)
+    torch.manual_seed(1)
+    lengths = torch.randint(1, 33, (24,))
+    src = random_tokens(24, 32).masked_fill(torch.arange(32)[None, :] >= lengths[:, None], PAD)
+    mask = padding_mask(src, PAD)
+    assert len(length_groups(mask.flatten(1))) > 1
+    with torch.no_grad():
+        grouped, padded = model.encode(src, mask)[0], Transformer.encode(model, src, mask)[0]
+    real = mask.flatten(1)
+    torch.testing.assert_close(grouped[real], padded[real], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,50 @@
+"""Decoding: search strategies registered by name, corpus translation, ensembles and MBR.
+
+Every search talks to the model through one incremental-state interface:
+
+    memory, _ = model.encode(src, src_mask)               # once per batch of sentences
+    state = model.new_state()                             # what the decoder keeps between steps
+    logits, _ = model.decode(new_tokens, memory, src_mask, state)
+    state.reorder(rows, sources=live)                     # finished sentences leave the batch
+    state.reorder_targets(rows)                           # hypotheses move within their sentence
+
+`Transformer` implements it with a key/value cache, `Uncached` by recomputing the whole prefix
+(the reference the cache is tested and benchmarked against), `Ensemble` by averaging several
+models' probabilities (models.py).
+
+    config.py      DecodeConfig: the decode.* settings
+    strategies.py  the strategies by name (greedy, beam, sample) and how they differ
+    search.py      what every search shares; greedy search and sampling
+    beam.py        beam search
+    mbr.py         minimum Bayes risk reranking of beam search's n-best lists
+    corpus.py      translating a corpus: batches, precision, n-best lists in input order
+    loading.py     a checkpoint or an ensemble to decode with
+"""
+
+from .beam import beam_search
+from .config import DecodeConfig
+from .corpus import decode_batch, encode_sources, translate, translate_corpus, translate_ids, translate_texts
+from .loading import load_decoder
+from .models import Ensemble, Uncached
+from .search import Hypothesis, generate, greedy, sampler
+from .strategies import STRATEGIES, Strategy
+
+__all__ = [
+    "STRATEGIES",
+    "DecodeConfig",
+    "Ensemble",
+    "Hypothesis",
+    "Strategy",
+    "Uncached",
+    "beam_search",
+    "decode_batch",
+    "encode_sources",
+    "generate",
+    "greedy",
+    "load_decoder",
+    "sampler",
+    "translate",
+    "translate_corpus",
+    "translate_ids",
+    "translate_texts",
+]

@@ -1,0 +1,70 @@
+"""The decoding settings, `decode.*` in the configs: the strategy and its knobs, the length limits,
+batching, precision and MBR reranking. Every value is checked when the config is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..devices import PRECISIONS
+from .mbr import UTILITIES, WEIGHTS
+from .strategies import STRATEGIES
+
+
+@dataclass
+class DecodeConfig:
+    strategy: str = "beam"  # a name in strategies.py: "greedy", "beam" or "sample"
+    beam_size: int = 5
+    n_best: int = 1  # hypotheses returned per sentence (beam search)
+    length_penalty: float = 0.6  # GNMT's alpha: scores are divided by ((5 + length) / 6) ** alpha
+    max_len_a: float = 1.2  # a translation of a source of n tokens has at most a * n + b tokens
+    max_len_b: int = 10
+    min_len: int = 0  # tokens generated before EOS may end a translation (0: no minimum)
+    max_tokens: int = 8192  # source tokens per decoding batch
+    temperature: float = 1.0  # sampling
+    top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
+    top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
+    seed: int = 1  # sampling
+    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with bf16 matrix instructions and on GPUs
+    mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
+    mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"decode.strategy={self.strategy!r} is not one of {tuple(STRATEGIES)}")
+        self.check_ranges()
+        if not 1 <= self.n_best <= self.beam_size:
+            raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"decode.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.mbr not in UTILITIES or self.mbr_weights not in WEIGHTS:
+            raise ValueError(f"decode.mbr must be one of {UTILITIES} and decode.mbr_weights one of {WEIGHTS}")
+        if self.mbr != "none" and not STRATEGIES[self.strategy].ranks:
+            ranking = "|".join(name for name, strategy in STRATEGIES.items() if strategy.ranks)
+            raise ValueError(
+                f"decode.mbr={self.mbr} reranks beam search's hypotheses: it needs decode.strategy={ranking}"
+            )
+
+    def check_ranges(self) -> None:
+        for key, low in (("beam_size", 1), ("max_tokens", 1), ("max_len_b", 0), ("min_len", 0), ("top_k", 0)):
+            if getattr(self, key) < low:
+                raise ValueError(f"decode.{key}={getattr(self, key)} must be >= {low}")
+        for key in ("max_len_a", "length_penalty"):  # search_done needs a penalty that grows with length
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"decode.{key}={getattr(self, key)} must be >= 0 and finite")
+        if self.max_len_a == 0 and self.max_len_b < 2:  # the limit counts the EOS
+            raise ValueError(f"decode.max_len_b={self.max_len_b} with decode.max_len_a=0 leaves no room for a token")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"decode.temperature={self.temperature} must be > 0 and finite")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"decode.top_p={self.top_p} is not in (0, 1]")
+
+    def greedy(self) -> DecodeConfig:
+        """These settings with greedy search (and no MBR, which needs a beam)."""
+        return dataclasses.replace(self, strategy="greedy", mbr="none")
+
+    @property
+    def label(self) -> str:
+        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
+        return STRATEGIES[self.strategy].label(self)

@@ -1,0 +1,116 @@
+"""Search on one padded batch: what every strategy shares (the hypotheses, the length limits,
+dropping finished sentences from the batch) and `generate`, which extends each sentence by one
+chosen token per step: greedy search (`argmax`) and sampling (`sampler`). Beam search is beam.py."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..model import padding_mask
+
+if TYPE_CHECKING:
+    from .config import DecodeConfig
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # without BOS and EOS
+    score: float  # log-probability divided by the length penalty (the ranking score)
+    log_prob: float
+
+
+def max_lengths(src_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
+    """(batch,) maximum number of generated tokens per sentence, EOS included."""
+    src_lens = src_mask.flatten(1).sum(-1)
+    return (src_lens * cfg.max_len_a + cfg.max_len_b).long().clamp(min=1, max=limit)
+
+
+def select(memory, rows: Tensor):
+    """The encoder output of the batch rows `rows` (a tensor, or a list for ensembles)."""
+    if isinstance(memory, Tensor):
+        return memory.index_select(0, rows)
+    return [select(m, rows) for m in memory]
+
+
+def worth_pruning(n_done: int, n_rows: int) -> bool:
+    """Whether to drop finished sentences from the batch now. Dropping copies every cache, so it
+    waits until a quarter of the rows are finished: at most a few dozen copies per batch."""
+    return n_done > 0 and 4 * n_done >= n_rows
+
+
+def strip_special(ids: list[int], eos_id: int) -> list[int]:
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+@torch.no_grad()
+def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, choose: Callable) -> list[Hypothesis]:
+    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length.
+
+    Finished sentences leave the batch (see `worth_pruning`), so later steps only pay for the
+    sentences still being translated."""
+    src_mask = padding_mask(src, model.cfg.pad_id)
+    memory, _ = model.encode(src, src_mask)
+    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)
+    tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
+    log_prob = torch.zeros(src.size(0), device=src.device)
+    done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
+    sentence = torch.arange(src.size(0), device=src.device)  # the input sentence of each row
+    out: list[Hypothesis] = [Hypothesis([], 0.0, 0.0)] * src.size(0)
+    state = model.new_state()
+    for step in range(int(max_len.max())):
+        logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (rows, vocab)
+        if step < cfg.min_len:
+            lprobs[:, eos_id] = -math.inf
+        next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
+        next_token = torch.where(done, model.cfg.pad_id, next_token)
+        log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
+        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
+        done |= next_token == eos_id
+        n_done = int(done.sum())
+        if n_done == done.numel() or worth_pruning(n_done, done.numel()):
+            ended = done.nonzero().flatten()  # copied to the host together, not row by row
+            for i, lp, ids in zip(sentence[ended].tolist(), log_prob[ended].tolist(), tokens[ended, 1:].tolist()):
+                out[i] = Hypothesis(strip_special(ids, eos_id), lp, lp)
+            if n_done == done.numel():
+                break
+            rows = (~done).nonzero().flatten()
+            tokens, log_prob, max_len, sentence = tokens[rows], log_prob[rows], max_len[rows], sentence[rows]
+            memory, src_mask, done = select(memory, rows), src_mask[rows], done[rows]
+            state.reorder(rows)
+    return out  # the last step ends every sentence: max_len forces EOS
+
+
+def argmax(lprobs: Tensor) -> Tensor:
+    """The greedy choice: the most probable token of each row."""
+    return lprobs.argmax(-1)
+
+
+def greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[int]]:
+    """The most probable next token at every step. src: (batch, src_len) -> token ids, no BOS/EOS."""
+    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, argmax)]
+
+
+def sampler(cfg: DecodeConfig, generator: torch.Generator) -> Callable[[Tensor], Tensor]:
+    """Draw the next token from the temperature-scaled distribution, cut to top-k and top-p."""
+
+    def choose(lprobs: Tensor) -> Tensor:
+        logits = lprobs / cfg.temperature
+        if cfg.top_k:
+            kth = logits.topk(min(cfg.top_k, logits.size(-1)), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if cfg.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+            drop = (mass_before >= cfg.top_p).scatter(-1, order, mass_before >= cfg.top_p)
+            logits = logits.masked_fill(drop, -math.inf)
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+
+    return choose

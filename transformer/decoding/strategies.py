@@ -1,0 +1,70 @@
+"""The search strategies by name (`decode.strategy`), registered in one place: each name's search
+function, and how the strategies differ for the code around them (rows and hypotheses per
+sentence, whether n-best lists and MBR apply, whether the result depends on a seed, the label).
+
+A new strategy is one search function (here, or a module of its own beside search.py and
+beam.py) and one entry in STRATEGIES."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from .beam import beam_search
+from .search import Hypothesis, argmax, generate, sampler
+
+if TYPE_CHECKING:
+    from .config import DecodeConfig
+
+# search(model, src, bos_id, eos_id, cfg, generator) -> per sentence, its hypotheses best first
+Search = Callable[..., list[list[Hypothesis]]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    search: Search
+    ranks: bool = False  # keeps beam_size hypotheses per sentence and ranks them: n_best and MBR apply
+    random: bool = False  # draws tokens from decode.seed's generator rather than choosing the best
+
+    def rows_per_sentence(self, cfg: DecodeConfig) -> int:
+        """Rows of the decoding batch one sentence takes while it is searched."""
+        return cfg.beam_size if self.ranks else 1
+
+    def hypotheses_per_sentence(self, cfg: DecodeConfig) -> int:
+        """The length of the n-best list each sentence gets."""
+        return cfg.n_best if self.ranks else 1
+
+    def label(self, cfg: DecodeConfig) -> str:
+        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
+        if not self.ranks:
+            return self.name
+        return f"{self.name}{cfg.beam_size}" + (f"-mbr-{cfg.mbr}" if cfg.mbr != "none" else "")
+
+
+def search_greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+    """The most probable token at every step: one hypothesis per sentence."""
+    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, argmax)]
+
+
+def search_sample(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+    """Tokens drawn from the model's distribution (temperature, top-k, top-p): one hypothesis per sentence."""
+    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, sampler(cfg, generator))]
+
+
+def search_beam(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+    """Beam search: the n_best best of beam_size finished hypotheses per sentence (no randomness)."""
+    return beam_search(model, src, bos_id, eos_id, cfg)
+
+
+STRATEGIES: dict[str, Strategy] = {
+    strategy.name: strategy
+    for strategy in (
+        Strategy("greedy", search_greedy),
+        Strategy("beam", search_beam, ranks=True),
+        Strategy("sample", search_sample, random=True),
+    )
+}

@@ -1,0 +1,63 @@
+"""The model-level fast paths: the classes `accelerate` gives a built Transformer, its decoder
+layers and feed-forward networks. Each overrides one method of its reference class and keeps
+its parameters, so state dicts and checkpoints are the same under every runtime."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..blocks import FeedForward
+from ..model import DecoderLayer, DecoderState, Transformer
+from . import cache
+from .attention import attend_memory_folded
+from .encoding import encode_grouped
+from .linear import PackedWeight, linear
+
+
+class FastTransformer(Transformer):
+    """Encoding in length groups at CPU inference, the tied output projection on oneDNN with its
+    weight packed for inference, and decoding states whose caches grow in place."""
+
+    def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
+        if need_weights or torch.is_grad_enabled() or self.training or src.device.type != "cpu":
+            return super().encode(src, src_mask, need_weights)
+        return encode_grouped(super().encode, src, src_mask)
+
+    def project(self, x: Tensor) -> Tensor:
+        if self.output is not None:
+            return self.output(x)
+        return linear(x, self.embed.embed.weight, None, self.tied_packed, onednn=self.onednn)
+
+    def new_state(self) -> FastDecoderState:
+        return FastDecoderState()
+
+
+class FastDecoderState(DecoderState):
+    """Caches reordered in place where beams stay in their slots (fast/cache.py)."""
+
+    def reorder_cache(self, state: dict, index: Tensor) -> None:
+        cache.reorder(state, index)
+
+
+class FastDecoderLayer(DecoderLayer):
+    attend_memory = attend_memory_folded
+
+
+class FastFeedForward(FeedForward):
+    """The activation applied by oneDNN inside the first product (fast/linear.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
+
+
+def install(model: Transformer, onednn: bool = True) -> None:
+    """The fast classes for the model itself, its decoder layers and its ReLU/GELU networks (whose
+    linear layers must already be fast/linear.py's)."""
+    model.__class__ = FastTransformer
+    model.tied_packed, model.onednn = PackedWeight(), onednn
+    for module in model.modules():
+        if type(module) is DecoderLayer:
+            module.__class__ = FastDecoderLayer
+        elif type(module) is FeedForward:
+            module.__class__ = FastFeedForward

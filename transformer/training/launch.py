@@ -1,0 +1,26 @@
+"""What train.py calls: one run (experiment.py), or with trainer.members > 1 several at once,
+ensembled (members.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..devices import pick_device, require_cpp_compiler
+from ..errors import ConfigError
+from ..tokenizer import Tokenizer
+from . import distributed
+from .experiment import run_one
+from .members import run_members
+
+
+def run(cfg, run_dir: Path, tests: bool = True, tokenizer: Tokenizer | None = None, record: dict | None = None) -> dict:
+    """Train (or resume), then evaluate the best checkpoint, or the members' ensemble, on the test
+    splits (unless tests=False); returns the test scores. The arguments are those of
+    `experiment.run_one`."""
+    if cfg.trainer.compile:
+        require_cpp_compiler(pick_device(cfg.trainer.device))
+    if cfg.trainer.members > 1:
+        if distributed.launched():
+            raise ConfigError("trainer.members > 1 trains in separate processes; it cannot run under torchrun")
+        return run_members(cfg, Path(run_dir), record)
+    return run_one(cfg, run_dir, tests, tokenizer, record)
