@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.attention_variants import AttentionConfig
+from transformer.attention_variants import VARIANTS, AttentionConfig
 from transformer.config import Config, register_schema, to_config
 from transformer.errors import ConfigError
 from transformer.model import ModelConfig
@@ -105,7 +105,7 @@ def test_block_options_and_attention_keys_are_single_overrides():
     overrides = ["model.attention.kind=moh", "model.attention.top_k=1", "model.positional=rope", "model.norm=rmsnorm", "model.activation=swiglu"]  # fmt: skip
     m = to_config(compose_config(overrides)).model
     assert (m.attention.kind, m.attention.top_k, m.positional, m.norm, m.activation) == ("moh", 1, "rope", "rmsnorm", "swiglu")  # fmt: skip
-    assert set(ATTENTION_KINDS) == {"standard", "moh", "dcmha", "overlap"}
+    assert set(ATTENTION_KINDS) == set(VARIANTS)  # one YAML file per registered attention class
 
 
 PRESETS = sorted((CONFIGS / "model").rglob("*.yaml"))

@@ -134,15 +134,15 @@ def test_subword_sampling_redraws_each_epoch_and_keeps_the_text(tmp_path, shared
     model = Transformer(ModelConfig(vocab_size=len(tokenizer), n_encoder_layers=1, n_decoder_layers=1, d_model=32, n_heads=2, d_ff=64))  # fmt: skip
     trainer = Trainer(cfg, tmp_path, model, tokenizer, corpus, corpus)
 
-    first, second = trainer.epoch_corpus(1), trainer.epoch_corpus(2)
+    first, second = trainer.batches.epoch_corpus(1), trainer.batches.epoch_corpus(2)
     assert first.src != corpus.src and second.src != first.src and second.tgt != first.tgt
     assert sum(map(len, first.tgt)) > sum(map(len, corpus.tgt))  # sampled pieces are shorter on average
     for sampled in (first, second):
         assert tokenizer.decode(sampled.src) == tokenizer.decode(corpus.src)  # text as SentencePiece normalizes it
         assert tokenizer.decode(sampled.tgt) == tokenizer.decode(corpus.tgt)
         assert max(sampled.lengths()) <= 40
-    assert Trainer(cfg, tmp_path, model, tokenizer, corpus, corpus).epoch_corpus(2).src == second.src
-    batches = trainer.epoch_batches(2)  # batched by the sampled lengths
+    assert Trainer(cfg, tmp_path, model, tokenizer, corpus, corpus).batches.epoch_corpus(2).src == second.src
+    batches = trainer.batches.epoch_batches(2)  # batched by the sampled lengths
     assert sorted(np.concatenate(batches).tolist()) == list(range(len(corpus)))
     assert all(len(b) * second.lengths()[b].max() <= cfg.data.max_tokens or len(b) == 1 for b in batches)
 

@@ -17,7 +17,8 @@ The speed paths training can use (the chunked loss, packed weights) are in trans
 chosen by cfg.runtime; runtime.fast=false trains the reference model with the reference objective.
 """
 
+from .batches import TrainState
 from .launch import run
-from .trainer import Trainer, TrainState
+from .trainer import Trainer
 
 __all__ = ["TrainState", "Trainer", "run"]

@@ -1,4 +1,4 @@
-"""The training loop: batches, one optimizer step (forward, backward, update), periodic validation
+"""The training loop: one optimizer step (forward, backward, update), periodic validation
 (loss and greedy BLEU), last/best checkpoints and early stopping. The objective is objective.py,
 the optimizer and its learning-rate schedule optimizer.py and schedule.py."""
 
@@ -9,21 +9,21 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import checkpoint
-from ..data import Batch, SubwordSampler, TokenizedCorpus, collate, token_batches
+from ..data import Batch, TokenizedCorpus
 from ..devices import autocast_dtype
-from ..errors import DataError, TrainingStopped
+from ..errors import TrainingStopped
 from ..fast.linear import refresh_packed_weights_after
 from ..model import Transformer
 from ..monitoring import Monitor, Throughput
 from ..plotting import attention_figures
+from .batches import EpochBatches, TrainState
 from .distributed import World
 from .objective import training_objective
 from .optimizer import trainer_adam
@@ -32,23 +32,6 @@ from .schedule import scheduled_lr
 from .validation import validate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainState:
-    """What a run keeps track of, saved in every resumable checkpoint."""
-
-    step: int = 0
-    epoch: int = 1
-    batch_in_epoch: int = 0  # batches of the current epoch already consumed
-    best_score: float = -math.inf  # validation BLEU, or minus the validation loss without BLEU
-    best_step: int = 0  # the step of checkpoint_best.pt (0: none yet)
-    bad_evals: int = 0
-    bad_steps: int = 0  # consecutive skipped updates (non-finite loss or gradients)
-    train_tokens: int = 0  # non-padding source + target tokens seen
-    train_seconds: float = 0.0  # wall time of the loop, validation included
-    valid_seconds: float = 0.0  # of which validation
-    warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
 
 
 # --- The trainer --------------------------------------------------------------------------------
@@ -93,7 +76,7 @@ class Trainer:
         self.onednn = runtime.onednn_linear
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
-        self.lengths = train.lengths()
+        self.batches = EpochBatches(cfg, train, tokenizer, world, self.device)
         self.monitor = Monitor(run_dir, enabled=world.is_main)
         self.step_tokens = torch.zeros(())  # source + target tokens of the last step, over all ranks
         self.grad_norm = torch.zeros(())
@@ -101,55 +84,6 @@ class Trainer:
         self.started = time.monotonic()  # the training clock's zero (set again by fit, for resumed runs)
         self.window = Throughput()  # the steps since the last log line
         self.best_model: dict | None = None  # the weights of checkpoint_best.pt, on the CPU
-        self.epoch_size = 1  # batches in the current epoch on this rank
-        self.sampler: SubwordSampler | None = None  # with data.subword_alpha
-        self._sampled: tuple[int, TokenizedCorpus | None] = (0, None)  # (epoch, its segmentation)
-
-    # ---- batches
-
-    def epoch_corpus(self, epoch: int) -> TokenizedCorpus:
-        """The training split as one epoch sees it: the usual segmentation, or with
-        data.subword_alpha > 0 one drawn from (seed, epoch), the same on every rank and on resume."""
-        if self.cfg.data.subword_alpha <= 0:
-            return self.train_data
-        if self._sampled[0] != epoch:
-            first = self.sampler is None
-            self.sampler = self.sampler or SubwordSampler(self.train_data, self.tokenizer, self.cfg.data)
-            self._sampled = (epoch, self.sampler.draw(np.random.default_rng([self.cfg.seed, epoch, 1])))
-            if first and self.world.is_main:
-                growth = self._sampled[1].lengths().sum() / self.lengths.sum() - 1
-                log.info("subword sampling: epoch %d's pairs are %.1f%% longer than usual", epoch, 100 * growth)
-        return self._sampled[1]
-
-    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
-        """The batches of one epoch: a fixed function of (seed, epoch), so runs are reproducible."""
-        rng = np.random.default_rng([self.cfg.seed, epoch])
-        corpus = self.epoch_corpus(epoch)
-        lengths = self.lengths if corpus is self.train_data else corpus.lengths()
-        return token_batches(lengths, self.cfg.data.max_tokens, rng)
-
-    def rank_batches(self, epoch: int) -> list[np.ndarray]:
-        """This process's share of the epoch: every world_size-th batch, from its rank on (the
-        last few batches are dropped so every rank takes as many)."""
-        batches = self.epoch_batches(epoch)
-        if not self.world.distributed:
-            return batches
-        usable = len(batches) // self.world.size * self.world.size
-        return batches[self.world.rank : usable : self.world.size]
-
-    def batch_stream(self):
-        """Yields batches forever, tracking the epoch and the position inside it."""
-        while True:
-            batches = self.rank_batches(self.state.epoch)
-            self.epoch_size = len(batches)
-            if not batches:  # (an empty epoch would loop forever)
-                raise DataError(f"epoch {self.state.epoch} has no training batches for process {self.world.rank}")
-            while self.state.batch_in_epoch < len(batches):
-                indices = batches[self.state.batch_in_epoch]
-                self.state.batch_in_epoch += 1
-                yield collate(self.epoch_corpus(self.state.epoch), indices, self.tokenizer).to(self.device)
-            self.state.epoch += 1
-            self.state.batch_in_epoch = 0
 
     # ---- one optimizer step
 
@@ -201,7 +135,7 @@ class Trainer:
             used.append(seconds / (60 * t.max_minutes))
         if t.max_epochs:
             batches_before = max(state.batch_in_epoch - t.accumulate, 0)
-            used.append((state.epoch - 1 + batches_before / max(self.epoch_size, 1)) / t.max_epochs)
+            used.append((state.epoch - 1 + batches_before / max(self.batches.epoch_size, 1)) / t.max_epochs)
         return min(max(used), 1.0)
 
     def learning_rate(self, seconds: float) -> float:
@@ -381,7 +315,7 @@ class Trainer:
 
     def fit(self) -> None:
         self.started = started = time.monotonic() - self.state.train_seconds  # a resumed run keeps its clock
-        stream, window = self.batch_stream(), self.window
+        stream, window = self.batches.stream(self.state), self.window
         reason, interrupted, validated = self.stop_reason(started), False, True
         with GracefulStop() as stop, self.monitor.progress(self.tcfg.max_steps, self.state.step) as bar:
             while reason is None and not interrupted:
