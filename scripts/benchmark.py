@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from transformer.benchmarking import hardware, marian_model, matmul_peak, our_model
+from transformer.benchmarking import ISA_LIMITS, hardware, limit_isa, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
 from transformer.errors import ConfigError, exit_on_user_error
@@ -73,10 +73,15 @@ class BenchConfig:
     device: str = "auto"  # cuda when present, else cpu
     threads: int = 0  # CPU threads per measurement; 0 = torch's default; 1 = as each of trainer.members
     output: Optional[str] = None
+    isa: Optional[str] = (
+        None  # avx2: measure with oneDNN, ATen and MKL kept to AVX2, as on a CPU without AVX-512 (no bf16)
+    )
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
     batches: Optional[str] = None  # internal: the file of batches the measurement processes share
 
     def __post_init__(self) -> None:
+        if self.isa is not None and self.isa not in ISA_LIMITS:
+            raise ValueError(f"isa={self.isa!r} is not one of {tuple(ISA_LIMITS)} (or null)")
         for key, low in (("steps", 1), ("rounds", 1), ("max_tokens", 1), ("threads", 0)):
             if getattr(self, key) < low:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
@@ -342,6 +347,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, BenchConfig, __doc__)
         if cfg.output:  # checked now, not after the measurements
             check_output(cfg.output, [cfg.batches])
+        limit_isa(cfg.isa, __file__, argv)
     torch.set_num_threads(cfg.threads or torch.get_num_threads())
     if cfg.one:
         print(json.dumps(measure_one(cfg, *cfg.one.split(","))))
@@ -352,7 +358,7 @@ def main(argv: list[str]) -> None:
         with exit_on_user_error():  # the trainer's check, before any measurement
             require_cpp_compiler(device, "ours-compile", "leave it out of implementations")
     info = hardware()
-    has_bf16 = device.type == "cuda" or cpu_has_bf16_matmul()
+    has_bf16 = device.type == "cuda" or (cpu_has_bf16_matmul() and cfg.isa is None)
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     peaks = {p: matmul_peak(dtypes[p], device) for p in precisions}

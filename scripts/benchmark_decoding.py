@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import hardware, marian_model, our_model, timed
+from transformer.benchmarking import ISA_LIMITS, hardware, limit_isa, marian_model, our_model, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, Uncached, translate_ids
@@ -67,6 +67,8 @@ class BenchConfig:
     output: Optional[str] = None  # JSON file for the results
 
     def __post_init__(self) -> None:
+        if self.isa is not None and self.isa not in ISA_LIMITS:
+            raise ValueError(f"isa={self.isa!r} is not one of {tuple(ISA_LIMITS)} (or null)")
         # new_tokens: forced decoding of that many tokens, EOS included; vocab_size: more than the 4 special pieces
         lows = {"sentences": 1, "beam_size": 1, "vocab_size": 5, "threads": 0, "peer_sentences": 1, "new_tokens": 2, "rounds": 1}  # fmt: skip
         for key, low in lows.items():
@@ -132,7 +134,7 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
     sources = sources[: cfg.peer_sentences]
     eos = tokenizer.eos_id
     src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True).to(device)
-    has_bf16 = device.type == "cuda" or cpu_has_bf16_matmul()
+    has_bf16 = device.type == "cuda" or (cpu_has_bf16_matmul() and cfg.isa is None)
     precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or has_bf16)]
     hf_name, rows = f"hf-marian {transformers.__version__}", []
     for preset in cfg.presets:
@@ -192,6 +194,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, BenchConfig, __doc__)
         if cfg.output:  # checked now, not after the measurements
             check_output(cfg.output, [cfg.checkpoint])
+        limit_isa(cfg.isa, __file__, argv)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         device = pick_device(cfg.device)

@@ -48,3 +48,18 @@ def test_training_benchmark_refuses_compiling_without_the_cpp_compiler_before_me
     assert result.stderr.startswith("error: ours-compile needs a C++ compiler")
     assert "Traceback" not in result.stderr
     assert result.stdout == ""  # nothing measured or printed before the refusal
+
+
+def test_isa_avx2_reruns_the_script_with_its_libraries_kept_to_avx2(tmp_path):
+    """benchmark*.py isa=avx2: the measuring process (and those it starts) run as on a CPU without
+    AVX-512; ATen reports the capability it dispatches to."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from transformer.benchmarking import isa_limit, limit_isa\n"
+        "limit_isa('avx2', __file__, sys.argv[1:])\n"
+        "print(isa_limit(), torch.backends.cpu.get_cpu_capability(), *sys.argv[1:])\n"
+    )
+    result = subprocess.run([sys.executable, str(script), "a=1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["avx2", "AVX2", "a=1"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -15,10 +17,33 @@ from .model import ModelConfig, Transformer
 
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
+# The variables that keep oneDNN, ATen's own kernels and MKL to the AVX2 instructions, as on a CPU
+# without AVX-512 (most laptops): read when each library starts, so set before torch is imported.
+ISA_LIMITS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def limit_isa(isa: str | None, script: str, argv: list[str]) -> None:
+    """With isa="avx2", run `script argv` again in a process whose libraries use no instruction
+    beyond AVX2 (ISA_LIMITS), unless this one already is that process; measurement processes it
+    starts inherit the limit. isa=None: nothing."""
+    if isa is None:
+        return
+    if isa not in ISA_LIMITS:
+        raise ValueError(f"isa={isa!r} is not one of {tuple(ISA_LIMITS)}")
+    limits = ISA_LIMITS[isa]
+    if any(os.environ.get(key) != value for key, value in limits.items()):
+        os.execve(sys.executable, [sys.executable, script, *argv], {**os.environ, **limits})
+
+
+def isa_limit() -> str | None:
+    """The ISA_LIMITS this process runs under, if any."""
+    return next((isa for isa, limits in ISA_LIMITS.items() if all(os.environ.get(k) == v for k, v in limits.items())), None)  # fmt: skip
+
 
 def hardware() -> dict:
     """The device and CPU features, so figures from different machines are never compared blindly."""
     info = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()}
+    info["isa_limit"] = isa_limit()
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
         fields = {}  # of the first processor listed
