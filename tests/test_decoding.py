@@ -22,7 +22,7 @@ from transformer.decoding import (
 from transformer.decoding import beam as beam_module
 from transformer.decoding import search as search_module
 from transformer.decoding.beam import best_extensions, stay_in_place
-from transformer.fast import RuntimeConfig
+from transformer.fast import RuntimeConfig, accelerate
 from transformer.model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
@@ -47,8 +47,9 @@ def batch(sents: list[list[int]]) -> torch.Tensor:
     return pad([s + [EOS] for s in sents], PAD)
 
 
-def test_beam_size_one_equals_greedy():
-    model, src = make_model(), batch(sources(16))
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+def test_beam_size_one_equals_greedy(fast):
+    model, src = accelerate(make_model(), RuntimeConfig(fast=fast)), batch(sources(16))
     cfg = DecodeConfig(beam_size=1, length_penalty=0.0)
     beams = beam_search(model, src, BOS, EOS, cfg)
     assert [b[0].tokens for b in beams] == greedy(model, src, BOS, EOS, cfg)

@@ -43,10 +43,12 @@ def start_and_wait(cmd, run_dir, min_step: int) -> subprocess.Popen:
     raise AssertionError(f"training did not reach step {min_step}: {proc.communicate()[1][-2000:]}")
 
 
-def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus):
+@pytest.mark.parametrize("runtime", ["fast", "reference"])
+def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus, runtime):
     # The linear schedule's decay depends on where warmup ended: the resumed run must restore it.
     # Subword sampling draws each epoch's segmentation anew: the resumed run must draw the same.
     schedule = ["trainer.max_steps=40", "trainer.schedule=linear", "trainer.warmup_steps=5", "data.subword_alpha=0.3"]
+    schedule.append(f"runtime={runtime}")
     full = tmp_path / "full"
     done = subprocess.run(command(full, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -66,8 +66,10 @@ def test_label_smoothed_loss_matches_torch_cross_entropy(smoothing):
     torch.testing.assert_close(nll, F.cross_entropy(*flat, ignore_index=0, reduction="sum"))
 
 
-def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus):
-    """Memorizing 12 real sentence pairs: loss near zero and greedy decoding reproduces them."""
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast"])
+def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus, fast):
+    """Memorizing 12 real sentence pairs: loss near zero and greedy decoding reproduces them,
+    with the reference model and with the fast paths installed."""
     from transformer.data import DataConfig, load_split
 
     torch.manual_seed(0)
@@ -85,6 +87,7 @@ def test_tiny_model_overfits_a_tiny_corpus(tiny_corpus):
             dropout=0.0,
         )
     )
+    model = accelerate(model, RuntimeConfig(fast=fast))
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     batch = collate(corpus, list(range(len(corpus))), tokenizer)
     for _ in range(300):
