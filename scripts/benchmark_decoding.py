@@ -65,7 +65,9 @@ class BenchConfig:
     )  # part 2: fp32 and/or bf16 (on CPUs with bf16 matrix instructions)
     rounds: int = 3  # part 2: timings of each pair, alternating who goes first; medians are compared
     output: Optional[str] = None  # JSON file for the results
-    isa: Optional[str] = None  # avx2: measure with oneDNN, ATen and MKL kept to AVX2, as on a CPU without AVX-512 (no bf16)
+    isa: Optional[str] = (
+        None  # avx2: measure with oneDNN, ATen and MKL kept to AVX2, as on a CPU without AVX-512 (no bf16)
+    )
 
     def __post_init__(self) -> None:
         if self.isa is not None and self.isa not in ISA_LIMITS:
