@@ -20,12 +20,15 @@ from .tokenizer import Tokenizer
 FORMAT_VERSION = 1
 
 
-def save(path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dict, step: int, **extra) -> None:
-    """Write atomically: a crash mid-save leaves the previous file at `path` intact."""
+def save(
+    path: Path, model: Transformer, tokenizer: Tokenizer, train_config: dict, step: int, weights=None, **extra
+) -> None:
+    """Write atomically: a crash mid-save leaves the previous file at `path` intact. `weights`: a
+    state dict of `model` to write instead of its current one (e.g. the best so far)."""
     payload = {
         "format_version": FORMAT_VERSION,
         "model_config": asdict(model.cfg),
-        "model": model.state_dict(),
+        "model": model.state_dict() if weights is None else weights,
         "tokenizer": as_tensor(tokenizer.model_bytes),
         "train_config": train_config,
         "step": step,
@@ -95,7 +98,12 @@ def check_entries(payload: dict, path: Path) -> None:
 
 def numbered(run_dir: Path) -> list[Path]:
     """A run's numbered checkpoints, checkpoint_<step>.pt, oldest first."""
-    return sorted(Path(run_dir).glob("checkpoint_[0-9]*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    return sorted(Path(run_dir).glob("checkpoint_[0-9]*.pt"), key=step_of)
+
+
+def step_of(path: Path) -> int:
+    """The step of a numbered checkpoint, checkpoint_<step>.pt."""
+    return int(Path(path).stem.split("_")[1])
 
 
 def keep_newest(run_dir: Path, keep: int) -> None:

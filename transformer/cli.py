@@ -12,7 +12,9 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from .checkpoint import direction, language_pair
 from .config import to_config
+from .data import DataConfig, corpus_file
 from .errors import ConfigError
 from .fast import RuntimeConfig
 
@@ -52,9 +54,6 @@ class ScoringInputs:
 def source_and_reference(cfg: ScoringInputs, train_config: dict) -> tuple[Path, Path]:
     """The source and reference files to score: cfg.src and cfg.ref when given, else the split
     cfg.split of the training run's corpus (cfg.data_dir, cfg.src_lang, cfg.tgt_lang override it)."""
-    from .checkpoint import language_pair
-    from .data import DataConfig, corpus_file
-
     if (cfg.src is None) != (cfg.ref is None):
         raise ConfigError("give both src=PATH and ref=PATH, or neither (then split= is used)")
     pair = language_pair(train_config)
@@ -70,8 +69,6 @@ def source_and_reference(cfg: ScoringInputs, train_config: dict) -> tuple[Path, 
 
 def check_split_languages(cfg: ScoringInputs, pair) -> None:
     """src_lang= and tgt_lang= must be languages the checkpoint translates from and into."""
-    from .checkpoint import direction
-
     if pair is None:
         return
     sources, target = pair
@@ -83,8 +80,6 @@ def check_split_languages(cfg: ScoringInputs, pair) -> None:
 def check_file_languages(cfg: ScoringInputs, pair) -> None:
     """A src= file named in the checkpoint's target language, or a ref= file named in one of its
     source languages, is the wrong way round."""
-    from .checkpoint import direction
-
     if pair is None:
         return
     sources, target = pair

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import DataError
+from .files import atomic_write_text
 
 log = logging.getLogger(__name__)
 datasets.disable_progress_bars()
@@ -207,8 +208,6 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
 
 def write_lines(path: Path, lines: list[str]) -> None:
     """One line per item, UTF-8, each ending in a newline; atomically (a crash leaves no half file)."""
-    from .files import atomic_write_text
-
     try:
         atomic_write_text(path, "".join(line + "\n" for line in lines))
     except OSError as e:

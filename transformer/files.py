@@ -113,6 +113,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def write_texts(directory: str | Path, texts: dict[str, str]) -> None:
     """{file name: text} written into `directory` (made if missing), each atomically."""
-    for name, text in texts.items():
+    if texts:
         Path(directory).mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
         atomic_write_text(Path(directory) / name, text)

@@ -171,7 +171,7 @@ def evaluate_average(
     hyps = translate_corpus(model, valid, tokenizer, cfg.decode.greedy(), device)
     valid_bleu = score(hyps, valid.tgt_text).bleu
     report(
-        f"averaged the checkpoints of steps {', '.join(p.stem.split('_')[1] for p in paths)} into "
+        f"averaged the checkpoints of steps {', '.join(str(checkpoint.step_of(p)) for p in paths)} into "
         f"checkpoint_{name}.pt: validation BLEU {valid_bleu:.2f} (greedy)"
     )
     summary = {"average": {"checkpoints": [p.name for p in paths], "valid_bleu": valid_bleu}}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint import numbered
+from ..checkpoint import numbered, step_of
 from ..errors import ConfigError
 
 # Settings that may change between an interrupted run and its resumption without changing what
@@ -111,7 +111,7 @@ def clear_run(run_dir: Path) -> None:
 def remove_unfinished(run_dir: Path, step: int) -> None:
     """What a killed run left beyond the checkpoint a run starts from at `step`: temporary files of
     interrupted writes, and numbered checkpoints of later steps (the run writes them again)."""
-    for path in [*run_dir.glob(".*.tmp"), *(p for p in numbered(run_dir) if int(p.stem.split("_")[1]) > step)]:
+    for path in [*run_dir.glob(".*.tmp"), *(p for p in numbered(run_dir) if step_of(p) > step)]:
         path.unlink(missing_ok=True)
 
 

@@ -295,10 +295,9 @@ class Trainer:
             log.warning("%s is missing or stale and the resumed checkpoint lacks its weights; the next validation writes it", path)  # fmt: skip
             self.state.best_score, self.state.best_step = -math.inf, 0
             return
-        current = cpu_copy(self.model.state_dict())
-        self.model.load_state_dict(self.best_model)
-        checkpoint.save(path, self.model, self.tokenizer, train_config=to_plain(self.cfg), step=self.state.best_step)
-        self.model.load_state_dict(current)
+        checkpoint.save(
+            path, self.model, self.tokenizer, to_plain(self.cfg), self.state.best_step, weights=self.best_model
+        )
         log.info("wrote %s (step %d) from the resumed checkpoint", path, self.state.best_step)
 
     # ---- the loop
