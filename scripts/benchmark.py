@@ -4,7 +4,10 @@
     python scripts/benchmark.py presets=[small] steps=5 output=bench.json
     python scripts/benchmark.py presets=[small] threads=1 max_tokens=2048   # as one of two trainer.members
     python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
+    python scripts/benchmark.py presets=[small_modern] implementations=[ours,ours-blas,ours-onednn] isa=avx2
 
+Presets: small (3+3 layers, d_model 256), base (6+6, 512), and small_modern, the default recipe's
+model (small with model/small_modern's block: measured for ours only, the peers lack that block).
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
 (grouped by token count), each implementation runs forward + backward + Adam step:
   ours          transformer.model.Transformer
@@ -13,7 +16,8 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   ours-compile, ours-recompute   ours with trainer.compile / trainer.recompute (on request, e.g.
                 implementations=[ours,ours-compile,ours-recompute])
   ours-blas     ours with runtime.onednn_linear=false: fp32 products on torch's BLAS, as in torch
-                and hf-marian (on request)
+                and hf-marian (on request); ours-onednn: with runtime.onednn_linear=true, oneDNN's
+                products on any CPU (by default they are used where AVX-512 runs)
   ours-logits   ours with runtime.chunked_loss=false: full (tokens, vocab) logits and torch's
                 cross-entropy, as in torch and hf-marian, not the chunked loss (on request)
   ours-reference  the reference model without any speed path (runtime=reference; on request)
@@ -56,7 +60,10 @@ from transformer.training.optimizer import adam
 PRESETS = {  # layers (each side), d_model, heads, d_ff
     "small": (3, 256, 4, 1024),
     "base": (6, 512, 8, 2048),
+    "small_modern": (3, 256, 4, 1024),
 }
+# Presets whose block is not the paper's: measured for ours only (the peers have no such block).
+BLOCKS = {"small_modern": {"norm_first": True, "positional": "rope", "norm": "rmsnorm", "activation": "swiglu"}}
 IMPLEMENTATIONS = ("ours", "torch", "hf-marian")  # also: ours-compile, -recompute, -blas, -logits, -foreach, -reference
 VOCAB = 8000
 
@@ -113,15 +120,16 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
 # --- The three implementations, each as (model, loss function) ----------------------------------
 
 
-def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, **runtime):
-    """Our model and the trainer's loss; the flags as trainer.compile and trainer.recompute, and
-    `runtime` the fields of a RuntimeConfig (default: every speed path)."""
+def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: bool = False, block=None, **runtime):
+    """Our model and the trainer's loss; the flags as trainer.compile and trainer.recompute,
+    `block` more ModelConfig fields (BLOCKS), `runtime` the fields of a RuntimeConfig (default:
+    every speed path, each where it is chosen by default)."""
     from transformer.fast import RuntimeConfig
     from transformer.training.objective import training_objective
 
     runtime = RuntimeConfig(**runtime)
     chunked = runtime.fast and runtime.chunked_loss
-    model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1, runtime=runtime)
+    model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1, runtime=runtime, **(block or {}))
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
 
@@ -131,7 +139,7 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
         amp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         weight = model.output_weight if chunked else None
         with torch.autocast(device, enabled=False):  # the trainer computes its loss outside autocast
-            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn_linear)[0]
+            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn)[0]
 
     return model, loss
 
@@ -193,6 +201,7 @@ BUILDERS = {
     "ours-compile": partial(build_ours, compile=True),
     "ours-recompute": partial(build_ours, recompute=True),
     "ours-blas": partial(build_ours, onednn_linear=False),
+    "ours-onednn": partial(build_ours, onednn_linear=True),
     "ours-logits": partial(build_ours, chunked_loss=False),
     "ours-reference": partial(build_ours, fast=False),
     "ours-foreach": build_ours,  # the optimizer differs: measure_one
@@ -221,7 +230,8 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
     device = pick_device(cfg.device)
     torch.manual_seed(0)
     batches = torch.load(cfg.batches) if cfg.batches else real_batches(cfg, cfg.steps + 2)
-    model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff)
+    block = {"block": BLOCKS[preset]} if preset in BLOCKS else {}
+    model, loss_fn = BUILDERS[impl](layers, d_model, heads, d_ff, **block)
     model.to(device).train()
     fused = impl != "ours-foreach"  # the trainer's Adam (transformer/training/optimizer.py), for every implementation
     optimizer = adam(model.parameters(), 1e-4, (0.9, 0.98), 1e-9, 0.0, device, fused=fused)
@@ -314,7 +324,7 @@ def available(impl: str) -> bool:
 
 def print_table(rows: list[dict], peaks: dict) -> None:
     print(
-        f"{'preset':<7}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}{'Adam ms':>9}"
+        f"{'preset':<13}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}{'Adam ms':>9}"
     )
     for row in rows:
         same = {
@@ -333,7 +343,7 @@ def print_table(rows: list[dict], peaks: dict) -> None:
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
         memory = row.get("peak_gpu_mb", row["peak_rss_mb"])  # a GPU's memory where there is one
         adam = "-" if row.get("adam_ms") is None else f"{row['adam_ms']:.1f}"
-        print(f"{row['preset']:<7}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
+        print(f"{row['preset']:<13}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
               f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{memory:>9.0f}{adam:>9}")  # fmt: skip
 
 
@@ -377,6 +387,8 @@ def main(argv: list[str]) -> None:
             for preset in cfg.presets:
                 for precision in precisions:
                     for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
+                        if preset in BLOCKS and not impl.startswith("ours"):
+                            continue
                         row = run_isolated(impl, preset, precision, cfg)
                         if row:
                             runs.setdefault((preset, precision, impl), []).append(row)

@@ -15,7 +15,8 @@ against Hugging Face transformers' `generate` at the same model size.
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
    On a GPU, and where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run
    under bf16 autocast (our decode.precision=bf16). On a GPU each is run once untimed first.
-   In fp32 `ours-blas` is ours with runtime.onednn_linear=false (torch's BLAS, as HF uses);
+   In fp32 `ours-blas` is ours with runtime.onednn_linear=false (torch's BLAS, as HF uses) and
+   `ours-onednn` with runtime.onednn_linear=true (by default, oneDNN is used where AVX-512 runs);
    `ours-reference` is the reference model without any speed path (runtime=reference).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
@@ -143,7 +144,7 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         ours = {}  # the same weights under each runtime: all speed paths, fp32 on torch's BLAS, the reference
-        for name, runtime in (("ours", RuntimeConfig()), ("ours-blas", RuntimeConfig(onednn_linear=False)), ("ours-reference", RuntimeConfig(fast=False))):  # fmt: skip
+        for name, runtime in (("ours", RuntimeConfig()), ("ours-blas", RuntimeConfig(onednn_linear=False)), ("ours-onednn", RuntimeConfig(onednn_linear=True)), ("ours-reference", RuntimeConfig(fast=False))):  # fmt: skip
             torch.manual_seed(0)
             ours[name] = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0, runtime=runtime).to(device).eval()  # fmt: skip
         torch.manual_seed(0)
@@ -161,7 +162,8 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
                 }
                 # the effect of transformer/fast/linear.py's oneDNN path (CPU fp32 only)
                 if precision == "fp32" and device.type == "cpu" and ONEDNN_AVAILABLE:
-                    runs["ours-blas"] = partial(translate_ids, ours["ours-blas"], sources, tokenizer, forced, device)
+                    for name in ("ours-blas", "ours-onednn"):  # off and on; `ours` has the default's choice
+                        runs[name] = partial(translate_ids, ours[name], sources, tokenizer, forced, device)
                 timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
                 if precision == "fp32":

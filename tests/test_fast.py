@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.attention import scaled_dot_product_attention
+from transformer.attention import Rotary, scaled_dot_product_attention
 from transformer.decoding import DecodeConfig, beam_search, greedy
 from transformer.fast import RuntimeConfig, accelerate
 from transformer.fast.attention import fast_attention, product_attention
 from transformer.fast.encoding import length_groups
-from transformer.fast.model import FastTransformer
+from transformer.fast.model import FastRotary, FastTransformer
 from transformer.model import Transformer, padding_mask
 
 from .test_model import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
@@ -42,6 +42,23 @@ def test_fast_training_step_equals_the_reference(variant):
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for got, expected in zip(grads, ref_grads):
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rotary_positions_as_complex_products_equal_the_reference(dtype):
+    """Also on views whose pairs do not start at even offsets (one feature sliced off the front)."""
+    reference, fast = Rotary(8, 64), Rotary(8, 64)
+    fast.__class__ = FastRotary
+    for start in (0, 1):
+        base = torch.randn(2, 11, 3, 9, dtype=torch.float64).to(dtype)
+        x = base[..., start : start + 8].transpose(1, 2).requires_grad_()  # (batch, heads, len, d_head), strided
+        outputs, grads = [], []
+        for rotary in (reference, fast):
+            y = rotary(x, offset=5)
+            (grad,) = torch.autograd.grad(y, x, torch.arange(y.numel(), dtype=dtype).view_as(y) % 7)
+            outputs.append(y), grads.append(grad)
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer.fast.linear
+from transformer.benchmarking import ISA_LIMITS
 from transformer.fast import RuntimeConfig, accelerate
 from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear
 from transformer.model import ModelConfig, Transformer
@@ -79,6 +80,19 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
     torch.testing.assert_close(ours_inf, blas_inf, rtol=1e-4, atol=1e-5)
     for a, b in zip(our_grads, blas_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
+    """runtime.onednn_linear=null (the default) turns the oneDNN path on only where torch runs
+    AVX-512 kernels; in a process kept to AVX2 it is off, and bf16 autocast is not chosen."""
+    assert RuntimeConfig().onednn == (torch.backends.cpu.get_cpu_capability() == "AVX512" and "ONEDNN_MAX_CPU_ISA" not in os.environ)  # fmt: skip
+    code = (
+        "from transformer.fast import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"
+        "print(R().onednn, R(onednn_linear=True).onednn, R(onednn_linear=False).onednn, b())"
+    )
+    env = {**os.environ, **ISA_LIMITS["avx2"]}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", "False", "False"]
 
 
 def test_importing_changes_nothing_and_accelerate_bounds_the_primitive_caches():

@@ -1,6 +1,9 @@
 """The schedule, the loss against torch's reference, and a tiny model that overfits a tiny corpus."""
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +21,9 @@ from transformer.training import Trainer, run
 from transformer.training.config import TrainerConfig
 from transformer.training.objective import label_smoothed_loss, smoothed_cross_entropy, symmetric_kl
 from transformer.training.optimizer import adam, trainer_adam
-from transformer.training.schedule import inverse_sqrt_lr, scheduled_lr
+from transformer.training.schedule import inverse_sqrt_lr, scheduled_lr, warmup_ramp
+
+from .conftest import ROOT
 
 
 def test_schedule_is_the_papers_formula():
@@ -52,6 +57,40 @@ def test_the_inverse_sqrt_schedule_ignores_the_budget_unless_it_cools_down():
     for progress, fraction in ((0.5, 1.0), (0.8, 1.0), (0.9, 0.5), (0.95, 0.25), (1.0, 0.0)):
         cooled = scheduled_lr("inverse_sqrt", 2000, 1e-3, 500, progress, 0.1, cooldown=0.2)
         assert cooled == pytest.approx(fraction * paper, abs=1e-15)
+
+
+def test_a_fraction_of_the_budget_ends_warmup_on_a_machine_that_takes_few_steps():
+    # 500 warmup steps, or 10% of the budget: a machine that takes 800 steps in its budget (1% each)
+    # ends warmup at step 80 instead of step 500; one that takes 10,000 steps ends it at step 500.
+    assert warmup_ramp(40, 500, 40 / 800, 0.1) == pytest.approx(0.5)
+    assert warmup_ramp(80, 500, 80 / 800, 0.1) == 1.0
+    assert warmup_ramp(250, 500, 250 / 10_000, 0.1) == pytest.approx(0.5)
+    assert warmup_ramp(250, 500, 0.5, 0.0) == pytest.approx(0.5)  # 0: steps alone
+    # As the trainer calls it: the budget used before each step; from step 81 on, warmup ended there.
+    slow = [scheduled_lr("linear", s, 1e-3, 81 if s >= 81 else 500, (s - 1) / 800, 0.1, ramp=warmup_ramp(s, 500, (s - 1) / 800, 0.1)) for s in range(1, 801)]  # fmt: skip
+    assert max(slow) == pytest.approx(1e-3) and slow.index(max(slow)) == 80  # the peak at step 81
+    assert all(a <= b for a, b in zip(slow[:80], slow[1:81])) and all(a >= b for a, b in zip(slow[80:], slow[81:]))
+    assert slow[-1] == pytest.approx(1e-3 / 720, rel=0.01)  # annealed: one step of the decay left
+
+
+def test_a_token_budget_stops_the_run_and_fits_the_schedule(tmp_path, shared_corpus):
+    run_dir = tmp_path / "run"
+    budget = ["trainer.max_tokens_seen=12000", "trainer.schedule=linear", "trainer.warmup_steps=1000", "trainer.warmup_fraction=0.25"]  # fmt: skip
+    subprocess.run(
+        [sys.executable, "train.py", "experiment=smoke", f"data.dir={shared_corpus}", "data.max_tokens=256",
+         "trainer.max_steps=1000", "trainer.log_every=1", "trainer.eval_every=1000", "trainer.eval_bleu=false",
+         "data.test_splits=[]", "trainer.precision=fp32", *budget, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, check=True, capture_output=True,
+    )  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r]
+    state = torch.load(run_dir / "checkpoint_last.pt", weights_only=False)["train_state"]
+    assert 10 < len(lrs) == state["step"] < 1000  # the tokens ran out first
+    assert state["train_tokens"] >= 12000 > state["train_tokens"] - 2 * 256  # at the step that reached the budget
+    peak = lrs.index(max(lrs)) + 1
+    assert 0.15 < peak / len(lrs) < 0.35  # warmup ended at a quarter of the budget, not after 1000 steps
+    assert all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak])) and all(a >= b for a, b in zip(lrs[peak - 1 :], lrs[peak:]))  # fmt: skip
+    assert lrs[-1] < max(lrs) / 5  # then decayed towards 0 by the end of the budget
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

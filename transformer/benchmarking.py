@@ -96,10 +96,11 @@ def repeat(fn, times: int) -> None:
         fn()
 
 
-def our_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, runtime=None):
+def our_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float, runtime=None, **block):
     """This package's Transformer with the same dimensions as `marian_model` takes, with the speed
-    paths `runtime` (a RuntimeConfig; default: all) asks for."""
-    cfg = ModelConfig(vocab, n_encoder_layers=layers, n_decoder_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, dropout=dropout)  # fmt: skip
+    paths `runtime` (a RuntimeConfig; default: all) asks for; `block`: more ModelConfig fields
+    (e.g. those of model/small_modern), else the paper's block."""
+    cfg = ModelConfig(vocab, n_encoder_layers=layers, n_decoder_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, dropout=dropout, **block)  # fmt: skip
     return accelerate(Transformer(cfg), runtime)
 
 

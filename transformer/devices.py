@@ -22,6 +22,8 @@ def pick_device(name: str) -> torch.device:
 
 
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")  # Intel AMX tiles; AVX512-BF16 dot products (Intel, AMD Zen 4+)
+# oneDNN's ONEDNN_MAX_CPU_ISA values below AVX512-BF16: a process kept to one of them has no bf16 matrix instructions
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -37,7 +39,16 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
 def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
     """Whether the CPU multiplies bf16 matrices in hardware: there bf16 matmul measured 4-7x the
     fp32 rate (AMX on a Xeon, AVX512-BF16 on an AMD EPYC); elsewhere bf16 is emulated and slow."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16:
+        return False  # the CPU has them, but this process may not use them (e.g. benchmarks' isa=avx2)
     return any(flag in cpu_flags(cpuinfo) for flag in BF16_MATMUL_FLAGS)
+
+
+def cpu_runs_avx512() -> bool:
+    """Whether torch's CPU kernels run AVX-512 here: the CPU has it and neither ATen
+    (ATEN_CPU_CAPABILITY) nor oneDNN (ONEDNN_MAX_CPU_ISA) is kept below it."""
+    limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and not limited
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

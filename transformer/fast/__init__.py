@@ -19,16 +19,25 @@ is worth and where it was measured. The reference model never imports this packa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
+from ..devices import cpu_runs_avx512
 from . import attention, dropout, linear, model
 
 
 @dataclass
 class RuntimeConfig:
     fast: bool = True  # false: the reference model exactly as written (runtime=reference)
-    onednn_linear: bool = True  # fp32 linear layers on CPU through oneDNN (fast/linear.py)
+    onednn_linear: Optional[bool] = None  # oneDNN for CPU fp32 linear layers (fast/linear.py); null: with AVX-512
     fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
     chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
+
+    @property
+    def onednn(self) -> bool:
+        """Whether fp32 linear layers run on oneDNN: as onednn_linear says, or when it is null
+        (the default), where the CPU runs AVX-512. There oneDNN's products beat torch's BLAS; on
+        CPUs kept to AVX2 they are slower (docs/PERFORMANCE.md), so BLAS is kept."""
+        return self.onednn_linear if self.onednn_linear is not None else cpu_runs_avx512()
 
 
 def accelerate(transformer, runtime: RuntimeConfig | None = None):
@@ -37,8 +46,8 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None):
     runtime = runtime or RuntimeConfig()
     if not runtime.fast:
         return transformer
-    linear.install(transformer, runtime.onednn_linear)
+    linear.install(transformer, runtime.onednn)
     dropout.install(transformer)
     attention.install(transformer, runtime.fp32_cross)
-    model.install(transformer, runtime.onednn_linear)
+    model.install(transformer, runtime.onednn)
     return transformer

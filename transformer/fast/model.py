@@ -1,5 +1,5 @@
 """The model-level fast paths: the classes `accelerate` gives a built Transformer, its decoder
-layers and feed-forward networks. Each overrides one method of its reference class and keeps
+layers, feed-forward networks and rotary positions. Each overrides one method of its reference class and keeps
 its parameters, so state dicts and checkpoints are the same under every runtime."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..attention import Rotary
 from ..blocks import FeedForward
 from ..model import DecoderLayer, DecoderState, Transformer
 from . import cache
@@ -51,9 +52,26 @@ class FastFeedForward(FeedForward):
         return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
 
 
+class FastRotary(Rotary):
+    """Rotary positions as one complex product: a feature pair (x_2i, x_2i+1) is the complex
+    number x_2i + i x_2i+1, and turning it by the angle a multiplies it by cos a + i sin a. The
+    same products as the reference's, in one kernel each way instead of strided slices, four
+    real products and a stack. fp32 and fp64 only (torch has no bf16 complex numbers)."""
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        if x.dtype not in (torch.float32, torch.float64):
+            return super().forward(x, offset)
+        positions = slice(offset, offset + x.size(2))
+        turn = torch.complex(self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype))
+        pairs = x.unflatten(-1, (-1, 2))
+        if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-2]):
+            pairs = pairs.contiguous()  # a complex view needs pairs that start at even offsets
+        return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
+
+
 def install(model: Transformer, onednn: bool = True) -> None:
-    """The fast classes for the model itself, its decoder layers and its ReLU/GELU networks (whose
-    linear layers must already be fast/linear.py's)."""
+    """The fast classes for the model itself, its decoder layers, its ReLU/GELU networks (whose
+    linear layers must already be fast/linear.py's) and its rotary positions."""
     model.__class__ = FastTransformer
     model.tied_packed, model.onednn = PackedWeight(), onednn
     for module in model.modules():
@@ -61,3 +79,5 @@ def install(model: Transformer, onednn: bool = True) -> None:
             module.__class__ = FastDecoderLayer
         elif type(module) is FeedForward:
             module.__class__ = FastFeedForward
+        elif type(module) is Rotary:
+            module.__class__ = FastRotary

@@ -31,6 +31,7 @@ class TrainState:
     train_seconds: float = 0.0  # wall time of the loop, validation included
     valid_seconds: float = 0.0  # of which validation
     warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
+    warmup_end: int = 0  # the step at which warmup ended (0: not yet)
 
 
 class EpochBatches:

@@ -18,6 +18,7 @@ class TrainerConfig:
     threads: int = 0  # CPU threads for torch; 0 keeps torch's default
     lr: float = 7e-4  # peak learning rate, reached at the end of warmup
     warmup_steps: int = 4000
+    warmup_fraction: float = 0.0  # > 0: warmup also ends once this fraction of the budget is used, if that is sooner
     schedule: str = "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine: to 0 at the budget
     cooldown: float = 0.0  # fraction of the budget at its end over which the lr falls linearly to 0; 0: none
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
@@ -30,6 +31,7 @@ class TrainerConfig:
     max_steps: int = 100_000
     max_epochs: int = 0  # 0: no limit
     max_minutes: float = 0.0  # wall-clock budget for the training loop; 0: no limit
+    max_tokens_seen: int = 0  # budget in non-padding source+target tokens, the same on every machine; 0: no limit
     patience: int = 0  # stop after this many validations without a better score; 0: never
     eval_every: int = 1000  # optimizer steps between validations (each saves a checkpoint); also one at the end, unless within a quarter of this after the last
     keep_last: int = 5  # numbered checkpoints kept (weights only, for averaging); 0 keeps none
@@ -48,6 +50,10 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         self.check_ranges()
+        if not 0.0 <= self.warmup_fraction < 1.0:
+            raise ValueError(
+                f"trainer.warmup_fraction={self.warmup_fraction} must be a fraction of the budget, in [0, 1)"
+            )
         if not 0.0 <= self.cooldown <= 1.0:
             raise ValueError(f"trainer.cooldown={self.cooldown} must be a fraction of the budget, between 0 and 1")
         if self.schedule not in SCHEDULES:
@@ -64,7 +70,7 @@ class TrainerConfig:
         for key in ("warmup_steps", "accumulate", "max_steps", "eval_every", "log_every", "max_bad_steps", "members"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 1")
-        for key in ("threads", "max_epochs", "max_minutes", "patience", "keep_last", "average_last"):
+        for key in ("threads", "max_epochs", "max_minutes", "max_tokens_seen", "patience", "keep_last", "average_last"):
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 0")
         for key in ("weight_decay", "clip_norm", "rdrop"):

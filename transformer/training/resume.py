@@ -18,7 +18,7 @@ from ..errors import ConfigError
 # Settings that may change between an interrupted run and its resumption without changing what
 # it computes: budgets, logging, where and whether to resume, and the speed paths (runtime).
 RESUMABLE_CHANGES = {
-    "trainer.resume", "trainer.overwrite", "trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes",
+    "trainer.resume", "trainer.overwrite", "trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes", "trainer.max_tokens_seen",
     "trainer.patience", "trainer.log_every", "trainer.keep_last", "trainer.average_last", "trainer.device", "trainer.compile", "trainer.recompute", "trainer.max_bad_steps",
     "data.test_splits", "decode", "runtime",
 }  # fmt: skip
@@ -67,7 +67,7 @@ def flatten(config: dict, prefix: str = "") -> dict:
     return out
 
 
-BUDGET = {"trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes"}
+BUDGET = {"trainer.max_steps", "trainer.max_epochs", "trainer.max_minutes", "trainer.max_tokens_seen"}
 
 
 def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
@@ -79,7 +79,8 @@ def config_differences(saved: dict, current: dict, defaults: dict | None = None)
     a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
     trainer = current.get("trainer", {})
     resumable = RESUMABLE_CHANGES
-    if trainer.get("schedule", "inverse_sqrt") != "inverse_sqrt" or trainer.get("cooldown", 0.0) > 0:
+    fitted = trainer.get("cooldown", 0.0) > 0 or trainer.get("warmup_fraction", 0.0) > 0
+    if trainer.get("schedule", "inverse_sqrt") != "inverse_sqrt" or fitted:
         resumable = RESUMABLE_CHANGES - BUDGET
     keys = sorted(set(b) - resumable)
     before = {k: a[k] if k in a else d.get(k) for k in keys}

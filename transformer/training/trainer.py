@@ -28,7 +28,7 @@ from .distributed import World
 from .objective import training_objective
 from .optimizer import trainer_adam
 from .resume import GracefulStop, rng_states, set_rng_states
-from .schedule import scheduled_lr
+from .schedule import scheduled_lr, warmup_ramp
 from .validation import validate
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ class Trainer:
         t = self.tcfg
         self.optimizer = trainer_adam(model.parameters(), t, self.device)
         runtime = cfg.runtime
-        if runtime.fast and runtime.onednn_linear:  # inference's packed weights must see each update
+        if runtime.fast and runtime.onednn:  # inference's packed weights must see each update
             refresh_packed_weights_after(self.optimizer)
         self.chunked_loss = runtime.fast and runtime.chunked_loss  # the output layer and loss: fast/loss.py
-        self.onednn = runtime.onednn_linear
+        self.onednn = runtime.onednn
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.batches = EpochBatches(cfg, train, tokenizer, world, self.device)
@@ -127,25 +127,29 @@ class Trainer:
         return total / n_tokens
 
     def progress(self, seconds: float) -> float:
-        """The fraction of the training budget used before the current step: of the steps, epochs
-        or minutes, whichever limit is nearest. (Before, so the last step still learns.)"""
+        """The fraction of the training budget used before the current step: of the steps, epochs,
+        tokens or minutes, whichever limit is nearest. (Before, so the last step still learns.)"""
         t, state = self.tcfg, self.state
         used = [(state.step - 1) / t.max_steps]
         if t.max_minutes:
             used.append(seconds / (60 * t.max_minutes))
+        if t.max_tokens_seen:
+            used.append(state.train_tokens / t.max_tokens_seen)
         if t.max_epochs:
             batches_before = max(state.batch_in_epoch - t.accumulate, 0)
             used.append((state.epoch - 1 + batches_before / max(self.batches.epoch_size, 1)) / t.max_epochs)
         return min(max(used), 1.0)
 
     def learning_rate(self, seconds: float) -> float:
-        t = self.tcfg
+        t, state = self.tcfg, self.state
         progress = self.progress(seconds)
-        if self.state.step == t.warmup_steps:
-            self.state.warmup_progress = progress
-        return scheduled_lr(
-            t.schedule, self.state.step, t.lr, t.warmup_steps, progress, self.state.warmup_progress, t.cooldown
-        )
+        ramp = warmup_ramp(state.step, t.warmup_steps, progress, t.warmup_fraction)
+        if ramp >= 1 and not state.warmup_end:
+            state.warmup_end = min(state.step, t.warmup_steps)  # a run resumed from before warmup_end was saved
+            if state.warmup_end == state.step:
+                state.warmup_progress = progress
+        warmup = state.warmup_end or t.warmup_steps
+        return scheduled_lr(t.schedule, state.step, t.lr, warmup, progress, state.warmup_progress, t.cooldown, ramp)
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
@@ -308,6 +312,8 @@ class Trainer:
             return f"reached trainer.max_steps={t.max_steps}"
         if t.max_epochs and self.state.epoch > t.max_epochs:
             return f"reached trainer.max_epochs={t.max_epochs}"
+        if t.max_tokens_seen and self.state.train_tokens >= t.max_tokens_seen:
+            return f"reached trainer.max_tokens_seen={t.max_tokens_seen}"
         if t.max_minutes and time.monotonic() - started >= 60 * t.max_minutes:
             return f"reached trainer.max_minutes={t.max_minutes}"
         return None
