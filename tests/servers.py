@@ -93,3 +93,24 @@ def wait_for(predicate, timeout: float = 10, every: float = 0.02) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+def translate_py(*args: str, stdin: str) -> subprocess.CompletedProcess:
+    """translate.py run as the server runs: a subprocess with one torch thread."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "translate.py", *args]
+    return subprocess.run(command, cwd=ROOT, input=stdin, capture_output=True, text=True, env=environ, timeout=300)
+
+
+def serve_main(argv: list[str]) -> int:
+    """The exit status of serve.py's main(argv) run in this process (for configs it refuses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("entry_serve", ROOT / "serve.py")
+    module = sys.modules["entry_serve"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    try:
+        module.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0
