@@ -102,12 +102,13 @@ def translate_py(*args: str, stdin: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, input=stdin, capture_output=True, text=True, env=environ, timeout=300)
 
 
-def serve_main(argv: list[str]) -> int:
-    """The exit status of serve.py's main(argv) run in this process (for configs it refuses)."""
+def run_entry(script: str, argv: list[str]) -> int:
+    """The exit status of main(argv) of serve.py or scripts/NAME.py, run in this process."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("entry_serve", ROOT / "serve.py")
-    module = sys.modules["entry_serve"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    name = "entry_" + script.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / script)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(module)
     try:
         module.main(argv)

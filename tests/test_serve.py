@@ -15,7 +15,10 @@ import time
 import httpx
 import pytest
 
-from .servers import QUICK, Server, build_checkpoint, corpus_lines, translate_py, wait_for
+from transformer.decoding import DecodeConfig, Hypothesis
+from transformer.serving import Batcher
+
+from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
 
 LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=30"]
 
@@ -150,6 +153,32 @@ def test_alignment_is_a_distribution_over_the_source_for_each_target_token(serve
     assert refused.status_code == 422 and "layer=2 is not a decoder layer" in refused.json()["error"]
 
 
+def test_a_request_that_breaks_decoding_fails_alone_and_the_batch_around_it_is_answered():
+    """The batcher, without a model: decoding echoes token ids, and raises on a poisoned sentence."""
+    calls = []
+
+    def decode(sources, settings):
+        calls.append(len(sources))
+        if [666] in sources:
+            raise RuntimeError("poisoned")
+        return [[Hypothesis(s, 0.0, 0.0)] for s in sources]
+
+    async def main():
+        batcher = Batcher(decode, max_batch_tokens=1000, max_wait_s=0.2, max_queue=10)
+        batcher.start()
+        requests = [[[1], [2]], [[666]], [[3]]]
+        answers = await asyncio.gather(
+            *(batcher.translate(r, DecodeConfig()) for r in requests), return_exceptions=True
+        )
+        batcher.close()
+        return answers
+
+    answers = asyncio.run(main())
+    assert [[h[0].tokens for h in a.n_best] for a in (answers[0], answers[2])] == [[[1], [2]], [[3]]]
+    assert isinstance(answers[1], RuntimeError)
+    assert calls[0] == 4 and sorted(calls[1:]) == [1, 1, 2]  # one merged batch, then each request alone
+
+
 def send_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
     result: list = []
     thread = threading.Thread(target=lambda: result.append(httpx.post(url + "/v1/translate", json=body, timeout=60)))
@@ -189,8 +218,6 @@ def free_port_in_use() -> socket.socket:
 
 @pytest.mark.parametrize("case", ["missing checkpoint", "port in use", "bad limit", "bad port"])
 def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsys):
-    from .servers import serve_main
-
     busy = free_port_in_use()
     args, needle = {
         "missing checkpoint": ([f"checkpoint={tmp_path / 'missing.pt'}"], "missing.pt does not exist"),
@@ -199,11 +226,22 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
         "bad port": ([f"checkpoint={model_path}", "port=70000"], "port=70000 is not in 0..65535"),
     }[case]
     with busy:
-        status = serve_main(args)
+        status = run_entry("serve.py", args)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert status != 0 and len(errors) == 1 and needle in errors[0], err
     assert "Traceback" not in err
+
+
+def test_load_test_reports_throughput_latency_and_the_servers_batch_size(server, sentences, tmp_path, capsys):
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
+    args = [f"url={server.url}", f"input={tmp_path / 'in.de'}", "clients=4", "seconds=1.5", f"output={tmp_path / 'load.json'}"]  # fmt: skip
+    assert run_entry("scripts/load_test.py", args) == 0
+    results = json.loads((tmp_path / "load.json").read_text())
+    assert results["sentences"] > 0 and results["errors"] == 0 and results["mean_batch_sentences"] >= 1
+    latency = results["latency_ms"]
+    assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+    assert "sentences/s" in capsys.readouterr().out
 
 
 def test_the_json_of_an_error_is_one_object(server):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import threading
 import time
 from collections import deque
@@ -16,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
-
-log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -131,7 +128,6 @@ class Batcher:
                 for job in jobs:
                     self.answer([job])
                 return
-            log.exception("decoding a request failed")
             resolve(jobs[0].future, error=e)
             return
         decode_ms = (time.perf_counter() - started) * 1000
