@@ -28,88 +28,95 @@ PATHS = ("/", "/v1/translate", "/v1/align", "/health", "/metrics")
 
 
 def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
-    metrics = Metrics()
-    batcher = Batcher(translator.translate, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, metrics.batch)  # fmt: skip
+    service = Service(translator, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher.start()
+        service.batcher.start()
         yield
-        batcher.close()  # uvicorn has answered every request in flight by now
+        service.batcher.close()  # uvicorn has answered every request in flight by now
 
     app = FastAPI(title="Transformer translation", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.batcher, app.state.metrics = batcher, metrics
-    add_error_handlers(app, metrics)
+    app.state.service = service
+    app.middleware("http")(service.count)
+    add_error_handlers(app, service.metrics)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.post("/v1/translate")(service.translate)
+    app.post("/v1/align")(service.align)
+    app.get("/health")(service.health)
+    app.get("/metrics")(service.prometheus)
+    app.get("/")(service.page)
+    return app
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
+
+class Service:
+    """What the endpoints share: the model, the batcher in front of it, the limits and the metrics."""
+
+    def __init__(self, translator: Translator, limits: ServeLimits):
+        self.translator, self.limits, self.metrics = translator, limits, Metrics()
+        self.batcher = Batcher(translator.translate, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
+
+    async def count(self, request: Request, call_next) -> Response:
+        """Count every answer by path and status; a bug of ours is logged once and answered 500."""
         try:
             response = await call_next(request)
-        except Exception as e:  # a bug of ours: logged once, answered 500, and the server goes on
+        except Exception as e:
             log.error("500 %s %s", request.method, request.url.path, exc_info=e)
-            metrics.errors.labels("internal").inc()
+            self.metrics.errors.labels("internal").inc()
             response = JSONResponse({"error": f"internal error: {type(e).__name__}: {e}", "kind": "internal"}, 500)
         path = request.url.path if request.url.path in PATHS else "other"
-        metrics.requests.labels(path, str(response.status_code)).inc()
+        self.metrics.requests.labels(path, str(response.status_code)).inc()
         return response
 
-    @app.post("/v1/translate")
-    async def translate(request: Request) -> JSONResponse:
+    async def translate(self, request: Request) -> JSONResponse:
         arrived = time.perf_counter()
-        req = translate_request(read_json(await read_body(request, limits), limits), limits)
-        answer = await decode(translator, batcher, metrics, req)
-        metrics.latency.observe(time.perf_counter() - arrived)
-        return JSONResponse(translate_response(translator, req, answer, arrived))
+        req = translate_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
+        answer = await self.decode(req)
+        self.metrics.latency.observe(time.perf_counter() - arrived)
+        return JSONResponse(translate_response(self.translator, req, answer, arrived))
 
-    @app.post("/v1/align")
-    async def align(request: Request) -> JSONResponse:
-        req = align_request(read_json(await read_body(request, limits), limits), limits)
+    async def align(self, request: Request) -> JSONResponse:
+        req = align_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
         translation = req.translation
         if translation is None:
-            answer = await decode(translator, batcher, metrics, TranslateRequest([req.text]))
-            translation = translator.texts(answer.n_best[0])[0]
+            answer = await self.decode(TranslateRequest([req.text]))
+            translation = self.translator.texts(answer.n_best[0])[0]
         try:
-            result = await asyncio.to_thread(translator.cross_attention, req.text, translation, req.layer)
+            result = await asyncio.to_thread(self.translator.cross_attention, req.text, translation, req.layer)
         except ValueError as e:
             raise RequestError(422, "out_of_range", str(e)) from None
         return JSONResponse({"source": req.text, "translation": translation, **result})
 
-    @app.get("/health")
-    async def health() -> dict:
+    async def decode(self, req: TranslateRequest) -> Answer:
+        """The request's n-best lists from the batcher (429 when its queue is full)."""
+        try:
+            settings = self.translator.settings(req.beam_size, req.n_best, req.length_penalty)
+        except ValueError as e:  # a combination the decode settings refuse, such as n_best > beam_size
+            raise RequestError(422, "out_of_range", str(e).replace("decode.", "")) from None
+        try:
+            return await self.batcher.translate(self.translator.encode(req.texts), settings)
+        except QueueFull as e:
+            raise RequestError(429, "queue_full", str(e)) from None
+
+    async def health(self) -> dict:
+        t = self.translator
         return {
             "status": "ok",
             "model_loaded": True,
-            "device": str(translator.device),
-            "language_pair": translator.language_pair,
-            "decoder_layers": translator.n_layers,
-            "queue": len(batcher),
-            "decode": {k: getattr(translator.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
-            "limits": asdict(limits),
+            "device": str(t.device),
+            "language_pair": t.language_pair,
+            "decoder_layers": t.n_layers,
+            "queue": len(self.batcher),
+            "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
+            "limits": asdict(self.limits),
         }
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.queue.set(len(batcher))
-        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus(self) -> Response:
+        self.metrics.queue.set(len(self.batcher))
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/")
-    async def page() -> FileResponse:
+    async def page(self) -> FileResponse:
         return FileResponse(STATIC / "index.html")
-
-    return app
-
-
-async def decode(translator: Translator, batcher: Batcher, metrics: Metrics, req: TranslateRequest) -> Answer:
-    """The request's n-best lists from the batcher (429 when its queue is full)."""
-    try:
-        settings = translator.settings(req.beam_size, req.n_best, req.length_penalty)
-    except ValueError as e:  # a combination the decode settings refuse, such as n_best > beam_size
-        raise RequestError(422, "out_of_range", str(e).replace("decode.", "")) from None
-    try:
-        return await batcher.translate(translator.encode(req.texts), settings)
-    except QueueFull as e:
-        raise RequestError(429, "queue_full", str(e)) from None
 
 
 def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:
