@@ -34,8 +34,8 @@ def browser_or_skip():
         pytest.skip(reason)
     options = webdriver.ChromeOptions()
     options.binary_location = browser
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,900"):
-        options.add_argument(flag)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,900"):
+        options.add_argument(flag)  # --no-sandbox: CI runs as root
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
