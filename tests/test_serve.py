@@ -153,6 +153,19 @@ def test_alignment_is_a_distribution_over_the_source_for_each_target_token(serve
     assert refused.status_code == 422 and "layer=2 is not a decoder layer" in refused.json()["error"]
 
 
+def test_a_slow_client_holds_up_no_one(server, sentences):
+    """A client that sends half its body and stalls: the others are answered meanwhile."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as slow:
+        slow.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b'Content-Length: 40\r\n\r\n{"text": "Ein')  # fmt: skip
+        started = time.monotonic()
+        assert post(server, {"text": sentences[:2]}).status_code == 200
+        assert time.monotonic() - started < 30
+        slow.sendall(b' Hund."}'.ljust(40 - len(b'{"text": "Ein'), b" "))
+        assert b"200 OK" in slow.recv(4096)
+
+
 def test_a_request_that_breaks_decoding_fails_alone_and_the_batch_around_it_is_answered():
     """The batcher, without a model: decoding echoes token ids, and raises on a poisoned sentence."""
     calls = []
