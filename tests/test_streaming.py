@@ -4,6 +4,7 @@ equals translating the whole input at once."""
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import subprocess
@@ -13,7 +14,7 @@ import threading
 import pytest
 
 from .conftest import ROOT
-from .servers import QUICK, build_checkpoint, corpus_lines, translate_py
+from .servers import QUICK, build_checkpoint, corpus_lines, run_entry, translate_py
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,14 @@ def test_output_of_the_first_chunk_comes_before_stdin_closes(mode, model_path):
     assert [line.rstrip("\n") for line in early + rest] == whole.stdout.splitlines()
 
 
+def translate_here(args: list[str], stdin: str, monkeypatch, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of translate.py's main run in this process on `stdin`."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode()), encoding="utf-8"))
+    status = run_entry("translate.py", args)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def test_chunked_output_equals_whole_input_output_and_names_lines_across_chunks(model_path, tmp_path):
     source = [*corpus_lines("de", 6, "val"), "", " ".join(["Hund"] * 200), "Ein Hund."]
     stdin = "".join(s + "\n" for s in source)
@@ -67,6 +76,6 @@ def test_chunked_output_equals_whole_input_output_and_names_lines_across_chunks(
     assert to_file.returncode == 0 and out.read_text() == whole.stdout
 
 
-def test_a_bad_chunk_size_is_one_error_line(model_path):
-    result = translate_py(f"checkpoint={model_path}", "chunk_lines=0", stdin="Hallo\n")
-    assert result.returncode == 2 and result.stderr.strip() == "error: chunk_lines=0 must be >= 1"
+def test_a_bad_chunk_size_is_one_error_line(model_path, monkeypatch, capsys):
+    status, _, err = translate_here([f"checkpoint={model_path}", "chunk_lines=0"], "Hallo\n", monkeypatch, capsys)
+    assert status == 2 and err.strip() == "error: chunk_lines=0 must be >= 1"
