@@ -10,6 +10,7 @@ Arguments (key=value, as for translate.py):
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
     limits.max_batch_tokens=4096  limits.max_wait_ms=5       how requests are merged into decoding batches
     access_log=false            uvicorn's line per request
+    drain_seconds=30            after SIGTERM, how long the requests in flight may take before they are cut
 Endpoints: POST /v1/translate, POST /v1/align, GET /health, GET /metrics, GET / (docs/SERVING.md).
 SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
 """
@@ -17,6 +18,7 @@ SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -39,15 +41,20 @@ class ServeConfig:
     port: int = 8000
     device: str = "auto"
     access_log: bool = False
+    drain_seconds: float = 30.0
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: ServeLimits = field(default_factory=ServeLimits)
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is not in 0..65535")
+        if not 0 <= self.drain_seconds < math.inf:
+            raise ValueError(f"drain_seconds={self.drain_seconds} must be >= 0 and finite")
+
 
 def listen(host: str, port: int) -> socket.socket:
     """A bound socket, so that a port in use is one error line before the model loads."""
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port={port} is not in 0..65535")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -69,7 +76,7 @@ def main(argv: list[str]) -> None:
     app = create_app(translator, cfg.limits)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, device)
-    run(app, sock, cfg.access_log)
+    run(app, sock, cfg.access_log, cfg.drain_seconds)
 
 
 if __name__ == "__main__":

@@ -153,12 +153,18 @@ def test_alignment_is_a_distribution_over_the_source_for_each_target_token(serve
     assert refused.status_code == 422 and "layer=2 is not a decoder layer" in refused.json()["error"]
 
 
+def stalled_request(server: Server) -> socket.socket:
+    """A connection that has sent 13 bytes of a 40-byte request body, and waits."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b'Content-Length: 40\r\n\r\n{"text": "Ein')  # fmt: skip
+    return sock
+
+
 def test_a_slow_client_holds_up_no_one(server, sentences):
     """A client that sends half its body and stalls: the others are answered meanwhile."""
-    host, port = server.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as slow:
-        slow.sendall(b"POST /v1/translate HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b'Content-Length: 40\r\n\r\n{"text": "Ein')  # fmt: skip
+    with stalled_request(server) as slow:
         started = time.monotonic()
         assert post(server, {"text": sentences[:2]}).status_code == 200
         assert time.monotonic() - started < 30
@@ -202,7 +208,9 @@ def send_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
 def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_path, sentences):
     # The oldest request waits up to max_wait_ms in the queue for others: long here, so that it is
     # still there when the next request arrives and when SIGTERM comes.
-    slow = Server(f"checkpoint={model_path}", *QUICK, "limits.max_queue=1", "limits.max_wait_ms=1500").wait()
+    slow = Server(
+        f"checkpoint={model_path}", *QUICK, "limits.max_queue=1", "limits.max_wait_ms=1500", "drain_seconds=8"
+    ).wait()
     try:
         first, result = send_in_thread(slow.url, {"text": sentences[0]})
         assert wait_for(lambda: metric(slow, "serve_queue_requests") == 1)
@@ -213,11 +221,13 @@ def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_pat
 
         in_flight, result = send_in_thread(slow.url, {"text": sentences[:2]})
         assert wait_for(lambda: metric(slow, "serve_queue_requests") == 1)
+        stalled = stalled_request(slow)  # would hold the shutdown forever without drain_seconds
         started = time.monotonic()
-        assert slow.stop() == 0
+        assert slow.stop(timeout=60) == 0
         in_flight.join(60)
         assert result[0].status_code == 200 and len(result[0].json()["translations"]) == 2
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 40
+        stalled.close()
     finally:
         slow.stop()
 

@@ -25,7 +25,9 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run(app, sock: socket.socket, access_log: bool = False) -> None:
-    """Serve `app` on the bound socket until SIGTERM or SIGINT; uvicorn logs through the root logger."""
-    config = uvicorn.Config(app, log_config=None, access_log=access_log, timeout_graceful_shutdown=None)
+def run(app, sock: socket.socket, access_log: bool = False, drain_seconds: float = 30) -> None:
+    """Serve `app` on the bound socket until SIGTERM or SIGINT, then give the requests in flight up to
+    drain_seconds (a client that stalls mid-request must not hold the shutdown forever); uvicorn
+    logs through the root logger."""
+    config = uvicorn.Config(app, log_config=None, access_log=access_log, timeout_graceful_shutdown=drain_seconds)
     DrainingServer(config).run(sockets=[sock])
