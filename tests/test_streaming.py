@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import pty
 import queue
 import subprocess
 import sys
@@ -29,21 +30,33 @@ def lines_of(stream) -> queue.Queue:
     return lines
 
 
-@pytest.mark.parametrize("mode", ["chunk_lines=2", "interactive=true"])
+def open_input(mode: str):
+    """(stdin for the process, write(text), close()): a pipe, or with mode "terminal" a pseudo-terminal
+    (translate.py then reads line by line without being told), closed by Ctrl-D."""
+    if mode != "terminal":
+        reader, writer = os.pipe()
+        return reader, lambda text: os.write(writer, text.encode()), lambda: os.close(writer)
+    controller, terminal = pty.openpty()
+    return terminal, lambda text: os.write(controller, text.encode()), lambda: os.write(controller, b"\x04")
+
+
+@pytest.mark.parametrize("mode", ["chunk_lines=2", "interactive=true", "terminal"])
 def test_output_of_the_first_chunk_comes_before_stdin_closes(mode, model_path):
     source = corpus_lines("de", 5, "val")
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "translate.py", f"checkpoint={model_path}", *QUICK, mode, "decode.strategy=greedy"]
-    process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ)  # fmt: skip
+    args = [] if mode == "terminal" else [mode]
+    command = [sys.executable, "translate.py", f"checkpoint={model_path}", *QUICK, *args, "decode.strategy=greedy"]
+    stdin, write, close = open_input(mode)
+    process = subprocess.Popen(command, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE, text=True, env=environ)
+    os.close(stdin)
     try:
         out = lines_of(process.stdout)
         first = 2 if mode == "chunk_lines=2" else 1
-        process.stdin.write("".join(s + "\n" for s in source[:first]))
-        process.stdin.flush()
+        write("".join(s + "\n" for s in source[:first]))
         early = [out.get(timeout=120) for _ in range(first)]  # stdin is still open
         assert out.empty()
-        process.stdin.write("".join(s + "\n" for s in source[first:]))
-        process.stdin.close()
+        write("".join(s + "\n" for s in source[first:]))
+        close()
         assert process.wait(120) == 0
         rest = []
         while len(early) + len(rest) < len(source):
