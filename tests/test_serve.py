@@ -20,7 +20,7 @@ from transformer.serving import Batcher
 
 from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
 
-LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=30"]
+LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=50"]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_pat
     # The oldest request waits up to max_wait_ms in the queue for others: long here, so that it is
     # still there when the next request arrives and when SIGTERM comes.
     slow = Server(
-        f"checkpoint={model_path}", *QUICK, "limits.max_queue=1", "limits.max_wait_ms=1500", "drain_seconds=8"
+        f"checkpoint={model_path}", *QUICK, "limits.max_queue=1", "limits.max_wait_ms=3000", "drain_seconds=8"
     ).wait()
     try:
         first, result = send_in_thread(slow.url, {"text": sentences[0]})
