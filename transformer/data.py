@@ -9,7 +9,9 @@ from __future__ import annotations
 import gzip
 import logging
 import math
-from collections.abc import Iterable
+import sys
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -113,6 +115,29 @@ def decode_lines(raw: bytes, name: str) -> list[str]:
     except UnicodeDecodeError:
         bad = next(i for i, line in enumerate(lines, 1) if not _is_utf8(line))
         raise DataError(f"{name}:{bad}: line is not valid UTF-8") from None
+
+
+def line_chunks(path: Path | None, size: int) -> Iterator[list[str]]:
+    """The lines of a plain or gzip UTF-8 file, or of standard input (path None), stripped, in lists
+    of at most `size` lines. Each list comes as soon as it is full (a reader of a pipe or terminal
+    gets lines as they arrive) and memory stays bounded whatever the input's length."""
+    name = "standard input" if path is None else str(path)
+    opener = gzip.open if path is not None and path.suffix == ".gz" else open
+    try:
+        with nullcontext(sys.stdin.buffer) if path is None else opener(path, "rb") as f:
+            chunk = []
+            for number, raw in enumerate(f, 1):
+                try:
+                    chunk.append(raw.decode("utf-8").strip())
+                except UnicodeDecodeError:
+                    raise DataError(f"{name}:{number}: line is not valid UTF-8") from None
+                if len(chunk) == size:
+                    yield chunk
+                    chunk = []
+            if chunk:
+                yield chunk
+    except (OSError, EOFError) as e:
+        raise DataError(f"cannot read {name}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _is_utf8(line: bytes) -> bool:

@@ -54,21 +54,25 @@ def translate_ids(
     return out
 
 
-def encode_sources(texts: list[str], tokenizer, max_tokens: int, source_name: str) -> list[list[int]]:
-    """Token ids of each text; a text longer than max_tokens is truncated with a warning naming its line."""
+def encode_sources(
+    texts: list[str], tokenizer, max_tokens: int, source_name: str, first_line: int = 1
+) -> list[list[int]]:
+    """Token ids of each text; a text longer than max_tokens is truncated with a warning naming its
+    line (texts[0] is line `first_line` of source_name)."""
     ids = tokenizer.source.encode(texts)
-    for number, sentence in enumerate(ids, 1):
+    for i, sentence in enumerate(ids):
         if len(sentence) > max_tokens:
-            log.warning("%s:%d: %d tokens, truncated to %d", source_name, number, len(sentence), max_tokens)
-            ids[number - 1] = sentence[:max_tokens]
+            log.warning("%s:%d: %d tokens, truncated to %d", source_name, first_line + i, len(sentence), max_tokens)
+            ids[i] = sentence[:max_tokens]
     return ids
 
 
 def translate_texts(
-    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input"
+    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", first_line=1
 ) -> list[list[Hypothesis]]:
-    """n-best lists for each text, in input order; an empty text gets empty hypotheses."""
-    ids = encode_sources(texts, tokenizer, model.cfg.max_positions - 1, source_name)
+    """n-best lists for each text, in input order; an empty text gets empty hypotheses. Warnings
+    name texts[0] line `first_line` of source_name."""
+    ids = encode_sources(texts, tokenizer, model.cfg.max_positions - 1, source_name, first_line)
     todo = [i for i, text in enumerate(texts) if text]
     per_sentence = STRATEGIES[cfg.strategy].hypotheses_per_sentence(cfg)
     out = [[Hypothesis([], 0.0, 0.0)] * per_sentence for _ in texts]

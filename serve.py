@@ -1,0 +1,83 @@
+"""Serve translations over HTTP: a JSON API with dynamic batching, Prometheus metrics and a web page.
+
+    python serve.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt            # http://127.0.0.1:8000/
+    python serve.py checkpoint=PATH port=8080 host=0.0.0.0 decode.beam_size=4 limits.max_wait_ms=10
+
+Arguments (key=value, as for translate.py):
+    checkpoint=PATH  ensemble=[PATH,...]  device=auto|cpu|cuda  runtime.fast=true  decode.*
+    host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
+    limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
+    limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
+    limits.max_batch_tokens=4096  limits.max_wait_ms=5       how requests are merged into decoding batches
+    access_log=false            uvicorn's line per request
+    drain_seconds=30            after SIGTERM, how long the requests in flight may take before they are cut
+Endpoints: POST /v1/translate, POST /v1/align, GET /health, GET /metrics, GET / (docs/SERVING.md).
+SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from transformer.checkpoint import direction, language_pair
+from transformer.cli import parse_args, setup_logging
+from transformer.decoding import DecodeConfig, load_decoder
+from transformer.errors import ConfigError, exit_on_user_error
+from transformer.fast import RuntimeConfig
+from transformer.serving import ServeLimits, Translator, create_app, run
+
+log = logging.getLogger("serve")
+
+
+@dataclass
+class ServeConfig:
+    checkpoint: str = "???"
+    ensemble: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"
+    access_log: bool = False
+    drain_seconds: float = 30.0
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    limits: ServeLimits = field(default_factory=ServeLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} is not in 0..65535")
+        if not 0 <= self.drain_seconds < math.inf:
+            raise ValueError(f"drain_seconds={self.drain_seconds} must be >= 0 and finite")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket, so that a port in use is one error line before the model loads."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:  # socket.gaierror is one
+        raise ConfigError(f"cannot listen on host={host} port={port}: {e.strerror or e}") from None
+    return sock
+
+
+def main(argv: list[str]) -> None:
+    setup_logging()
+    with exit_on_user_error():
+        cfg = parse_args(argv, ServeConfig, __doc__)
+        sock = listen(cfg.host, cfg.port)
+        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
+    pair = language_pair(payload.get("train_config"))
+    translator = Translator(model, tokenizer, device, cfg.decode, direction(pair) if pair else None)
+    app = create_app(translator, cfg.limits)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, device)
+    run(app, sock, cfg.access_log, cfg.drain_seconds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

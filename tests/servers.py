@@ -1,0 +1,117 @@
+"""What the serving tests share: a small checkpoint built in the test (a tokenizer trained on a
+slice of Multi30k, a model with sharpened random weights so translations end at varied lengths)
+and serve.py running in a subprocess on a free port."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from transformer import checkpoint
+from transformer.model import ModelConfig, Transformer
+from transformer.tokenizer import Tokenizer
+
+from .conftest import DATA, ROOT
+
+QUICK = ["decode.max_len_b=6", "decode.max_len_a=0.5", "device=cpu"]  # short translations: fast tests
+
+
+def corpus_lines(lang: str, n: int, split: str = "train") -> list[str]:
+    with gzip.open(DATA / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return [next(f).strip() for _ in range(n)]
+
+
+def build_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A de->en checkpoint that loads like a trained one: joint tokenizer, 2+2 layers, d_model 32."""
+    tokenizer = Tokenizer.train(corpus_lines("de", 300) + corpus_lines("en", 300), 300, "unigram")
+    torch.manual_seed(seed)
+    cfg = ModelConfig(len(tokenizer), n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64,
+                      dropout=0.0, max_positions=128)  # fmt: skip
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.embed.embed.weight.mul_(3.0)
+    train_config = {"data": {"src_lang": "de", "tgt_lang": "en"}}
+    checkpoint.save(path, model, tokenizer, train_config, step=1)
+    return path
+
+
+class Server:
+    """serve.py in a subprocess on a free port; `url` once it listens. The log lines of its stderr
+    are collected in `log` by a thread, so that a full pipe never stalls it."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        command = [sys.executable, "serve.py", "port=0", *args]
+        environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        self.process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=environ)
+        self.log: list[str] = []
+        self.url: str | None = None
+        self.listening = threading.Event()
+        threading.Thread(target=self.read_log, daemon=True).start()
+
+    def read_log(self) -> None:
+        for line in self.process.stderr:
+            self.log.append(line)
+            found = re.search(r"on (http://[\d.]+:\d+)/", line)
+            if found:
+                self.url = found.group(1)
+            if "Application startup complete" in line or "Uvicorn running" in line:
+                self.listening.set()
+        self.listening.set()  # it exited
+
+    def wait(self, timeout: float = 120) -> Server:
+        if not self.listening.wait(timeout) or self.url is None or self.process.poll() is not None:
+            self.stop()
+            raise RuntimeError("serve.py did not start:\n" + "".join(self.log)[-3000:])
+        return self
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+        return self.process.wait(timeout)
+
+    def __enter__(self) -> Server:
+        return self.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+def wait_for(predicate, timeout: float = 10, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def translate_py(*args: str, stdin: str) -> subprocess.CompletedProcess:
+    """translate.py run as the server runs: a subprocess with one torch thread."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "translate.py", *args]
+    return subprocess.run(command, cwd=ROOT, input=stdin, capture_output=True, text=True, env=environ, timeout=300)
+
+
+def run_entry(script: str, argv: list[str]) -> int:
+    """The exit status of main(argv) of serve.py or scripts/NAME.py, run in this process."""
+    import importlib.util
+
+    name = "entry_" + script.replace("/", "_").removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / script)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    try:
+        module.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0

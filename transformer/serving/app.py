@@ -1,0 +1,166 @@
+"""The FastAPI app: POST /v1/translate and /v1/align, GET /health and /metrics, and the web page at
+/ (static/). Refused requests get {"error": message, "kind": kind} with a 4xx status, are logged
+once and counted; the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
+
+from .batcher import Answer, Batcher, QueueFull
+from .config import ServeLimits
+from .metrics import Metrics
+from .protocol import RequestError, TranslateRequest, align_request, read_json, translate_request
+from .translator import Translator
+
+log = logging.getLogger("serve")
+STATIC = Path(__file__).parent / "static"
+PATHS = ("/", "/v1/translate", "/v1/align", "/health", "/metrics")
+
+
+def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
+    service = Service(translator, limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.batcher.start()
+        yield
+        service.batcher.close()  # uvicorn has answered every request in flight by now
+
+    app = FastAPI(title="Transformer translation", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = service
+    app.middleware("http")(service.count)
+    add_error_handlers(app, service.metrics)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.post("/v1/translate")(service.translate)
+    app.post("/v1/align")(service.align)
+    app.get("/health")(service.health)
+    app.get("/metrics")(service.prometheus)
+    app.get("/")(service.page)
+    return app
+
+
+class Service:
+    """What the endpoints share: the model, the batcher in front of it, the limits and the metrics."""
+
+    def __init__(self, translator: Translator, limits: ServeLimits):
+        self.translator, self.limits, self.metrics = translator, limits, Metrics()
+        self.batcher = Batcher(translator.translate, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
+
+    async def count(self, request: Request, call_next) -> Response:
+        """Count every answer by path and status; a bug of ours is logged once and answered 500."""
+        try:
+            response = await call_next(request)
+        except Exception as e:
+            log.error("500 %s %s", request.method, request.url.path, exc_info=e)
+            self.metrics.errors.labels("internal").inc()
+            response = JSONResponse({"error": f"internal error: {type(e).__name__}: {e}", "kind": "internal"}, 500)
+        path = request.url.path if request.url.path in PATHS else "other"
+        self.metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    async def translate(self, request: Request) -> JSONResponse:
+        arrived = time.perf_counter()
+        req = translate_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
+        answer = await self.decode(req)
+        self.metrics.latency.observe(time.perf_counter() - arrived)
+        return JSONResponse(translate_response(self.translator, req, answer, arrived))
+
+    async def align(self, request: Request) -> JSONResponse:
+        req = align_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
+        translation = req.translation
+        if translation is None:
+            answer = await self.decode(TranslateRequest([req.text]))
+            translation = self.translator.texts(answer.n_best[0])[0]
+        try:
+            result = await asyncio.to_thread(self.translator.cross_attention, req.text, translation, req.layer)
+        except ValueError as e:
+            raise RequestError(422, "out_of_range", str(e)) from None
+        return JSONResponse({"source": req.text, "translation": translation, **result})
+
+    async def decode(self, req: TranslateRequest) -> Answer:
+        """The request's n-best lists from the batcher (429 when its queue is full)."""
+        try:
+            settings = self.translator.settings(req.beam_size, req.n_best, req.length_penalty)
+        except ValueError as e:  # a combination the decode settings refuse, such as n_best > beam_size
+            raise RequestError(422, "out_of_range", str(e).replace("decode.", "")) from None
+        try:
+            return await self.batcher.translate(self.translator.encode(req.texts), settings)
+        except QueueFull as e:
+            raise RequestError(429, "queue_full", str(e)) from None
+
+    async def health(self) -> dict:
+        t = self.translator
+        return {
+            "status": "ok",
+            "model_loaded": True,
+            "device": str(t.device),
+            "language_pair": t.language_pair,
+            "decoder_layers": t.n_layers,
+            "queue": len(self.batcher),
+            "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
+            "limits": asdict(self.limits),
+        }
+
+    async def prometheus(self) -> Response:
+        self.metrics.queue.set(len(self.batcher))
+        return Response(self.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def page(self) -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+
+def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:
+    body = {"translations": translator.texts([hyps[0] for hyps in answer.n_best])}
+    if req.scores:
+        body["scores"] = [hyps[0].score for hyps in answer.n_best]
+    if req.n_best is not None:
+        body["n_best"] = [
+            [{"translation": text, "score": h.score} for text, h in zip(translator.texts(hyps), hyps)]
+            for hyps in answer.n_best
+        ]
+    body["timing"] = {
+        "total_ms": round((time.perf_counter() - arrived) * 1000, 3),
+        "queue_ms": round(answer.queue_ms, 3),
+        "decode_ms": round(answer.decode_ms, 3),
+        "batch_sentences": answer.batch_sentences,
+        "batch_requests": answer.batch_requests,
+    }
+    return body
+
+
+async def read_body(request: Request, limits: ServeLimits) -> bytes:
+    """The body, refused (413) as soon as it is longer than the limits allow, declared or not."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise RequestError(413, "too_large", f"the request body has {declared} bytes; at most {limits.max_body_bytes}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limits.max_body_bytes:
+            raise RequestError(413, "too_large", f"the request body has over {limits.max_body_bytes} bytes")
+    return bytes(body)
+
+
+def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
+    def refuse(request: Request, status: int, kind: str, message: str) -> JSONResponse:
+        log.warning("%d %s %s: %s", status, request.method, request.url.path, message)
+        metrics.errors.labels(kind).inc()
+        return JSONResponse({"error": message, "kind": kind}, status_code=status)
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, e: RequestError) -> JSONResponse:
+        return refuse(request, e.status, e.kind, str(e))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return refuse(request, e.status_code, "http", str(e.detail))

@@ -1,0 +1,156 @@
+"""Dynamic batching: requests wait in one queue; a worker thread takes the oldest request and
+every waiting request with the same decode settings (up to max_batch_tokens source tokens, after
+waiting at most max_wait for more to arrive), decodes them as one batch off the event loop, and
+answers each request's future with its own sentences. A batch that fails is retried request by
+request, so one bad request fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..decoding import DecodeConfig, Hypothesis
+
+
+class QueueFull(Exception):
+    """The queue holds max_queue requests already."""
+
+
+@dataclass
+class Job:
+    """One request's sentences (token ids) and settings, and the future its answer goes to."""
+
+    sources: list[list[int]]
+    settings: DecodeConfig
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) + 1 for s in self.sources)
+
+    @property
+    def key(self) -> tuple:
+        return dataclasses.astuple(self.settings)
+
+
+@dataclass
+class Answer:
+    """A request's n-best lists in its order, and how its batch went."""
+
+    n_best: list[list[Hypothesis]]
+    queue_ms: float
+    decode_ms: float
+    batch_sentences: int
+    batch_requests: int
+
+
+Decode = Callable[[list[list[int]], DecodeConfig], list[list[Hypothesis]]]
+
+
+class Batcher:
+    """The queue and its worker thread; `on_batch(sentences)` is called after each decoded batch."""
+
+    def __init__(self, decode: Decode, max_batch_tokens: int, max_wait_s: float, max_queue: int, on_batch=None):
+        self.decode, self.max_batch_tokens, self.max_wait_s, self.max_queue = decode, max_batch_tokens, max_wait_s, max_queue  # fmt: skip
+        self.on_batch = on_batch or (lambda sentences: None)
+        self.pending: deque[Job] = deque()
+        self.changed = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        """Decode what is queued, then stop the worker."""
+        with self.changed:
+            self.closing = True
+            self.changed.notify()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    async def translate(self, sources: list[list[int]], settings: DecodeConfig) -> Answer:
+        """Queue the sentences and wait for their n-best lists; QueueFull when max_queue requests wait."""
+        job = Job(sources, settings, asyncio.get_running_loop().create_future())
+        with self.changed:
+            if self.closing:
+                raise QueueFull("the server is shutting down")
+            if len(self.pending) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests wait); retry later")
+            self.pending.append(job)
+            self.changed.notify()
+        return await job.future
+
+    def run(self) -> None:
+        while True:
+            with self.changed:
+                while not self.pending and not self.closing:
+                    self.changed.wait()
+                if not self.pending:
+                    return
+                jobs = self.next_batch()
+            self.answer(jobs)
+
+    def next_batch(self) -> list[Job]:
+        """The oldest job and those queued with its settings, once their tokens fill a batch or the
+        oldest has waited max_wait (called holding the lock; waiting releases it)."""
+        oldest = self.pending[0]
+        deadline = oldest.queued_at + self.max_wait_s
+        while not self.closing and time.perf_counter() < deadline and self.tokens_like(oldest) < self.max_batch_tokens:
+            self.changed.wait(deadline - time.perf_counter())
+        jobs, tokens = [], 0
+        for job in list(self.pending):
+            if job.key == oldest.key and (not jobs or tokens + job.tokens <= self.max_batch_tokens):
+                jobs.append(job)
+                tokens += job.tokens
+                self.pending.remove(job)
+        return jobs
+
+    def tokens_like(self, oldest: Job) -> int:
+        return sum(job.tokens for job in self.pending if job.key == oldest.key)
+
+    def answer(self, jobs: list[Job]) -> None:
+        """Decode the jobs as one batch and hand each its part; on failure, each job alone."""
+        started = time.perf_counter()
+        try:
+            n_best = self.decode([s for job in jobs for s in job.sources], jobs[0].settings)
+        except Exception as e:
+            if len(jobs) > 1:
+                for job in jobs:
+                    self.answer([job])
+                return
+            resolve(jobs[0].future, error=e)
+            return
+        decode_ms = (time.perf_counter() - started) * 1000
+        sentences = sum(len(job.sources) for job in jobs)
+        self.on_batch(sentences)
+        for job in jobs:
+            mine, n_best = n_best[: len(job.sources)], n_best[len(job.sources) :]
+            queue_ms = (started - job.queued_at) * 1000
+            resolve(job.future, Answer(mine, queue_ms, decode_ms, sentences, len(jobs)))
+
+
+def resolve(future: asyncio.Future, result=None, error: Exception | None = None) -> None:
+    """Set a future of the event loop from the worker thread, unless its request went away."""
+
+    def settle() -> None:
+        if future.done():  # the client disconnected and the request was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        future.get_loop().call_soon_threadsafe(settle)
+    except RuntimeError:  # the event loop has closed
+        pass
