@@ -13,6 +13,7 @@ Arguments (key=value, as for train.py):
     decode.n_best=N            N > 1 writes N lines per input: index <TAB> score <TAB> translation
     decode.max_tokens=8192     source tokens per batch
     decode.temperature / decode.top_k / decode.top_p / decode.seed   for sampling
+    prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
 Empty input lines give empty output lines; over-long lines are truncated with a warning.
 """
 
@@ -27,7 +28,7 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import decode_lines, read_lines, write_lines
-from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, translate_texts
+from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, split_prefixes, translate_texts
 from transformer.errors import exit_on_user_error
 from transformer.fast import RuntimeConfig
 from transformer.files import check_output
@@ -43,6 +44,7 @@ class TranslateConfig:
     input: Optional[str] = None
     output: Optional[str] = None
     device: str = "auto"
+    prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/corpus.py)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -79,8 +81,9 @@ def main(argv: list[str]) -> None:
         if not lines:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")
         name = cfg.input or "stdin"
+        lines, prefixes = split_prefixes(lines, name) if cfg.prefix else (lines, None)
         with progress_bar(sum(1 for line in lines if line), "translate") as bar:
-            n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, source_name=name)
+            n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, prefixes)
         out = output_lines(n_best, tokenizer, cfg.decode.n_best)
         if output is None:
             sys.stdout.write("".join(line + "\n" for line in out))
