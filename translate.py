@@ -14,6 +14,7 @@ Arguments (key=value, as for train.py):
     decode.max_tokens=8192     source tokens per batch
     decode.temperature / decode.top_k / decode.top_p / decode.seed   for sampling
     prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
+    decode.alignment=true      translation <TAB> its word alignment, i-j pairs (source word i, output word j)
 Empty input lines give empty output lines; over-long lines are truncated with a warning.
 """
 
@@ -29,6 +30,7 @@ from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import decode_lines, read_lines, write_lines
 from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, split_prefixes, translate_texts
+from transformer.decoding.alignment import align_translations
 from transformer.errors import exit_on_user_error
 from transformer.fast import RuntimeConfig
 from transformer.files import check_output
@@ -62,11 +64,15 @@ def warn_if_target_language(path: str | None, payload: dict) -> None:
         log.warning("input=%s looks like %s, the language the checkpoint translates into (%s)", path, pair[1], direction(pair))  # fmt: skip
 
 
-def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int) -> list[str]:
-    """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation."""
+def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, alignments=None) -> list[str]:
+    """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation;
+    with alignments, each translation is followed by <TAB> and its i-j word alignment."""
+    texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in n_best]
+    if alignments is not None:
+        texts = [[f"{t}\t{a}" for t, a in zip(ts, links)] for ts, links in zip(texts, alignments)]
     if n == 1:
-        return tokenizer.decode([hyps[0].tokens for hyps in n_best])
-    return [f"{i}\t{h.score:.4f}\t{tokenizer.decode([h.tokens])[0]}" for i, hyps in enumerate(n_best) for h in hyps]
+        return [ts[0] for ts in texts]
+    return [f"{i}\t{h.score:.4f}\t{t}" for i, (hyps, ts) in enumerate(zip(n_best, texts)) for h, t in zip(hyps, ts)]
 
 
 def main(argv: list[str]) -> None:
@@ -84,7 +90,8 @@ def main(argv: list[str]) -> None:
         lines, prefixes = split_prefixes(lines, name) if cfg.prefix else (lines, None)
         with progress_bar(sum(1 for line in lines if line), "translate") as bar:
             n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, prefixes)
-        out = output_lines(n_best, tokenizer, cfg.decode.n_best)
+        alignments = align_translations(model, lines, n_best, tokenizer, cfg.decode, device) if cfg.decode.alignment else None  # fmt: skip
+        out = output_lines(n_best, tokenizer, cfg.decode.n_best, alignments)
         if output is None:
             sys.stdout.write("".join(line + "\n" for line in out))
         else:
