@@ -14,6 +14,7 @@ Arguments (key=value, as for train.py):
     decode.max_tokens=8192     source tokens per batch
     decode.temperature / decode.top_k / decode.top_p / decode.seed   for sampling
     prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
+    constraints=true           input lines are source<TAB>phrase<TAB>...: each translation contains the phrases
     decode.alignment=true      translation <TAB> its word alignment, i-j pairs (source word i, output word j)
 Empty input lines give empty output lines; over-long lines are truncated with a warning.
 """
@@ -29,7 +30,14 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import decode_lines, read_lines, write_lines
-from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, split_prefixes, translate_texts
+from transformer.decoding import (
+    DecodeConfig,
+    Hypothesis,
+    load_decoder,
+    split_constraints,
+    split_prefixes,
+    translate_texts,
+)
 from transformer.decoding.alignment import align_translations
 from transformer.errors import exit_on_user_error
 from transformer.fast import RuntimeConfig
@@ -46,9 +54,14 @@ class TranslateConfig:
     input: Optional[str] = None
     output: Optional[str] = None
     device: str = "auto"
-    prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/corpus.py)
+    prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
+    constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        if self.prefix and self.constraints:
+            raise ValueError("prefix=true and constraints=true read different lines: choose one")
 
 
 def read_input(path: str | None) -> list[str]:
@@ -88,8 +101,9 @@ def main(argv: list[str]) -> None:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")
         name = cfg.input or "stdin"
         lines, prefixes = split_prefixes(lines, name) if cfg.prefix else (lines, None)
+        lines, constraints = split_constraints(lines, name) if cfg.constraints else (lines, None)
         with progress_bar(sum(1 for line in lines if line), "translate") as bar:
-            n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, prefixes)
+            n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, prefixes, constraints)
         alignments = align_translations(model, lines, n_best, tokenizer, cfg.decode, device) if cfg.decode.alignment else None  # fmt: skip
         out = output_lines(n_best, tokenizer, cfg.decode.n_best, alignments)
         if output is None:

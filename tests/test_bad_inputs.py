@@ -188,6 +188,9 @@ CASES = [
     Case(E, f"{SCORE} compare={{d}}/ref.en compare_seed=0", "compare_seed=0 must be >= 1"),
     Case(E, f"{SCORE} compare={{d}}/ref.en output={{d}}/ref.en", "output={d}/ref.en is one of the inputs"),
     Case(T, f"{CKPT} decode.alignment=true decode.alignment_layer=3", "decode.alignment_layer=3, but the decoder has", stdin=SRC),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true", "stdin:2: expected source<TAB>phrase<TAB>..., found an empty phrase", stdin=b"Ein Hund.\tdog\nZwei.\t\tcats\n"),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true decode.strategy=greedy", "constraints need decode.strategy=beam", stdin=b"Ein Hund.\tdog\n"),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true prefix=true", "prefix=true and constraints=true"),
 ]  # fmt: skip
 
 
@@ -299,6 +302,14 @@ def test_translate_prints_one_word_link_per_translated_word(blobs, tmp_path, mon
     for line in capsys.readouterr().out.splitlines():
         text, links = line.split("\t")
         assert sorted(int(pair.split("-")[1]) for pair in links.split()) == list(range(len(text.split())))
+
+
+def test_translate_places_the_constraints_in_each_translation(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {}, blobs)
+    args = [f"checkpoint={tmp_path / 'model.pt'}", "constraints=true", "decode.beam_size=3", "decode.max_len_b=4"]
+    assert run_main(T, args, b"Ein Hund.\tblack dog\tstreet\nZwei Katzen.\n", monkeypatch) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "black dog" in out[0] and "street" in out[0]
 
 
 def test_evaluate_compares_its_translations_with_another_system(blobs, tmp_path, monkeypatch, capsys):

@@ -7,7 +7,8 @@ import torch
 
 from transformer.data import pad
 from transformer.decoding import STRATEGIES, DecodeConfig, Ensemble, Uncached, beam_search, greedy, translate_ids
-from transformer.decoding.corpus import split_prefixes, translate_texts
+from transformer.decoding.corpus import translate_texts
+from transformer.decoding.inputs import split_prefixes
 from transformer.errors import DataError
 
 from .test_decoding import BOS, EOS, IDS, batch, char_tokenizer, make_model, sources

@@ -18,8 +18,11 @@ its next token one choice, so the cache, ensembles and every strategy take it un
     strategies.py  the strategies by name (greedy, beam, sample) and how they differ
     search.py      what every search shares; greedy search and sampling
     beam.py        beam search
+    constrained.py beam search whose translations contain given phrases (constraints=true)
     mbr.py         minimum Bayes risk reranking of beam search's n-best lists
-    corpus.py      translating a corpus: batches, precision, n-best lists in input order, target prefixes
+    corpus.py      translating a corpus: batches, precision, n-best lists in input order
+    inputs.py      target prefixes and constraints: the TAB-separated lines translate.py reads
+    alignment.py   word alignments from cross-attention (decode.alignment)
     loading.py     a checkpoint or an ensemble to decode with
 """
 
@@ -28,12 +31,12 @@ from .config import DecodeConfig
 from .corpus import (
     decode_batch,
     encode_sources,
-    split_prefixes,
     translate,
     translate_corpus,
     translate_ids,
     translate_texts,
 )
+from .inputs import split_constraints, split_prefixes
 from .loading import load_decoder
 from .models import Ensemble, Uncached
 from .search import Hypothesis, generate, greedy, sampler
@@ -53,6 +56,7 @@ __all__ = [
     "greedy",
     "load_decoder",
     "sampler",
+    "split_constraints",
     "split_prefixes",
     "translate",
     "translate_corpus",

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from ..data import TokenizedCorpus, pad, token_batches
 from ..devices import autocast_dtype
-from ..errors import DataError
 from .config import DecodeConfig
+from .constrained import constrained_beam_search
+from .inputs import encode_constraints, encode_prefixes
 from .mbr import rerank
 from .search import Hypothesis
 from .strategies import STRATEGIES
@@ -24,20 +25,32 @@ log = logging.getLogger(__name__)
 
 
 def decode_batch(
-    model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=None, prefix: Tensor | None = None
+    model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=None, prefix: Tensor | None = None, constraints=None
 ) -> list[list[Hypothesis]]:
     """One padded batch with the configured strategy: n-best lists (one hypothesis unless it ranks
-    a beam); with a target prefix (batch, prefix_len; -1 after its end), each starts with its own."""
+    a beam); with a target prefix (batch, prefix_len; -1 after its end), each starts with its own;
+    with constraints (per sentence, its phrases as token ids), constrained beam search."""
+    if constraints is not None and any(constraints):
+        return constrained_beam_search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, constraints)
     search = STRATEGIES[cfg.strategy].search
     return search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, generator, prefix)
 
 
 def translate_ids(
-    model, sources: list[list[int]], tokenizer, cfg: DecodeConfig, device, progress=None, prefixes=None
+    model,
+    sources: list[list[int]],
+    tokenizer,
+    cfg: DecodeConfig,
+    device,
+    progress=None,
+    prefixes=None,
+    constraints=None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sentences in length-sorted batches; n-best lists come back in input order.
     With decode.mbr, beam search keeps all beam_size hypotheses and MBR chooses their order.
-    prefixes: None, or each sentence's target token ids that its translations must start with."""
+    prefixes: None, or each sentence's target token ids that its translations must start with;
+    constraints: None, or each sentence's target phrases (token ids) that its translations must
+    contain (beam search only, constrained.py)."""
     search = dataclasses.replace(cfg, n_best=cfg.beam_size) if cfg.mbr != "none" else cfg
     lengths = np.array([len(s) + 1 for s in sources], dtype=np.int64)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -48,8 +61,9 @@ def translate_ids(
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
         prefix = batch_prefix([prefixes[i] for i in indices], device) if prefixes else None
+        phrases = [constraints[i] for i in indices] if constraints else None
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            n_best = decode_batch(model, src, tokenizer, search, generator, prefix)
+            n_best = decode_batch(model, src, tokenizer, search, generator, prefix, phrases)
         for i, hyps in zip(indices, n_best):
             out[i] = hyps
         if progress is not None:
@@ -75,44 +89,31 @@ def encode_sources(texts: list[str], tokenizer, max_tokens: int, source_name: st
     return ids
 
 
-def split_prefixes(lines: list[str], source_name: str) -> tuple[list[str], list[str]]:
-    """`source<TAB>prefix` lines -> (sources, prefixes). An empty line stays an empty source (and
-    an empty translation); any other line needs exactly one TAB with a source before it, or it is
-    a DataError naming its line."""
-    sources, prefixes = [], []
-    for number, line in enumerate(lines, 1):
-        fields = line.split("\t") if line else ["", ""]
-        if line and (len(fields) != 2 or not fields[0].strip()):
-            problem = "an empty source" if len(fields) == 2 else f"{len(fields) - 1} TABs"
-            raise DataError(f"{source_name}:{number}: expected source<TAB>prefix, found {problem}")
-        sources.append(fields[0].strip())
-        prefixes.append(fields[1].strip())
-    return sources, prefixes
-
-
-def encode_prefixes(prefixes: list[str], tokenizer, limit: int, source_name: str) -> list[list[int]]:
-    """Target token ids of each prefix (tokenized on its own); one that leaves no room for the EOS
-    within the model's `limit` of generated tokens is a DataError naming its line."""
-    ids = tokenizer.encode(prefixes)
-    for number, prefix in enumerate(ids, 1):
-        if len(prefix) >= limit:
-            raise DataError(f"{source_name}:{number}: the prefix has {len(prefix)} tokens; the model fits at most {limit - 1}")  # fmt: skip
-    return ids
-
-
 def translate_texts(
-    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", prefixes=None
+    model,
+    texts: list[str],
+    tokenizer,
+    cfg: DecodeConfig,
+    device,
+    progress=None,
+    source_name="input",
+    prefixes=None,
+    constraints=None,
 ) -> list[list[Hypothesis]]:
     """n-best lists for each text, in input order; an empty text gets empty hypotheses. prefixes:
-    None, or for each text the target text its translations must start with ("" for none)."""
+    None, or for each text the target text its translations must start with ("" for none);
+    constraints: None, or for each text the target phrases its translations must contain."""
     limit = model.cfg.max_positions - 1
     ids = encode_sources(texts, tokenizer, limit, source_name)
     forced = None if prefixes is None else encode_prefixes(prefixes, tokenizer, limit, source_name)
+    phrases = None if constraints is None else encode_constraints(constraints, tokenizer, cfg, limit, source_name)
     todo = [i for i, text in enumerate(texts) if text]
     per_sentence = STRATEGIES[cfg.strategy].hypotheses_per_sentence(cfg)
     out = [[Hypothesis([], 0.0, 0.0)] * per_sentence for _ in texts]
     chosen = None if forced is None else [forced[i] for i in todo]
-    for i, hyps in zip(todo, translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress, chosen)):
+    required = None if phrases is None else [phrases[i] for i in todo]
+    n_best = translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress, chosen, required)
+    for i, hyps in zip(todo, n_best):
         out[i] = hyps
     return out
 
