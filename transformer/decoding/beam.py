@@ -61,7 +61,7 @@ def beam_search(
         rows_max_len = max_len.repeat_interleave(width)
         forcing = bool((step + 1 >= host_max_len).any())
         lprobs = step_log_probs(logits[:, -1], step, rows_max_len, forcing, eos_id, pad_id, cfg.min_len)
-        if prefix is not None:  # while a prefix lasts, its beams have one (finite) extension
+        if prefix is not None and step < prefix.size(1):  # while a prefix lasts, its beams have one extension
             lprobs = force_prefix(lprobs, prefix.repeat_interleave(width, dim=0), step)
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
