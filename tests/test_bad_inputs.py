@@ -191,6 +191,9 @@ CASES = [
     Case(T, f"{CKPT} constraints=true", "stdin:2: expected source<TAB>phrase<TAB>..., found an empty phrase", stdin=b"Ein Hund.\tdog\nZwei.\t\tcats\n"),  # fmt: skip
     Case(T, f"{CKPT} constraints=true decode.strategy=greedy", "constraints need decode.strategy=beam", stdin=b"Ein Hund.\tdog\n"),  # fmt: skip
     Case(T, f"{CKPT} constraints=true prefix=true", "prefix=true and constraints=true"),
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/short.en ref={d}/ref.en", "line counts differ: {d}/short.en has 1 lines, {d}/ref.en has 2", {"short.en": b"A dog.\n"}),  # fmt: skip
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en", "missing mandatory value: ref"),
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en ref={d}/ref.en seed=0", "seed=0 must be >= 1"),  # fmt: skip
 ]  # fmt: skip
 
 
@@ -310,6 +313,14 @@ def test_translate_places_the_constraints_in_each_translation(blobs, tmp_path, m
     assert run_main(T, args, b"Ein Hund.\tblack dog\tstreet\nZwei Katzen.\n", monkeypatch) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and "black dog" in out[0] and "street" in out[0]
+
+
+def test_compare_systems_tests_two_hypothesis_files(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {"worse.en": b"A cat.\nTwo dogs.\n"}, blobs)
+    args = [f"baseline={tmp_path / 'worse.en'}", f"system={tmp_path / 'ref.en'}", f"ref={tmp_path / 'ref.en'}"]
+    assert run_main("scripts/compare_systems.py", args, b"", monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "chrF2: baseline" in out and ", system 100.00, difference +" in out
 
 
 def test_evaluate_compares_its_translations_with_another_system(blobs, tmp_path, monkeypatch, capsys):
