@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
         print(f"{len(gold)} sentence pairs, {sum(len(g) for g in gold)} gold links; {cfg.checkpoint}")
         print("| decoder layer | target piece aligned by | precision | recall | AER |\n|---|---|---:|---:|---:|")
         for layer in range(transformers(model)[0].cfg.n_decoder_layers):
-            for shift, step in ((True, "the step that reads it"), (False, "the step that predicts it")):
+            for shift, step in ((False, "the step that predicts it"), (True, "the step that reads it")):
                 links = align(model, tokenizer, src_ids, tgt_ids, layer, device, shift)
                 precision, recall, aer = alignment_error([set(x) for x in links], gold)
                 print(f"| {layer} | {step} | {precision:.3f} | {recall:.3f} | {aer:.3f} |")

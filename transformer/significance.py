@@ -15,6 +15,7 @@ sacreBLEU prints, both documented in docs/DECODING.md:
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,12 +48,16 @@ class Comparison:
 @contextmanager
 def sacrebleu_seed(seed: int) -> Iterator[None]:
     """PairedTest reads its seed from the SACREBLEU_SEED environment variable (when it is built
-    and when it runs); it is set for those calls only and restored after."""
-    before = os.environ.get("SACREBLEU_SEED")
+    and when it runs); it is set for those calls only and restored after. Its progress messages
+    (INFO on the "sacrebleu" logger) are held back meanwhile."""
+    before, logger = os.environ.get("SACREBLEU_SEED"), logging.getLogger("sacrebleu")
+    level = logger.level
     os.environ["SACREBLEU_SEED"] = str(seed)
+    logger.setLevel(logging.WARNING)
     try:
         yield
     finally:
+        logger.setLevel(level)
         if before is None:
             del os.environ["SACREBLEU_SEED"]
         else:

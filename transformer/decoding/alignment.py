@@ -6,11 +6,10 @@ The translation is read once more by the decoder, as in training (BOS + its toke
 cross-attention of one decoder layer (`decode.alignment_layer`, default the penultimate), averaged
 over its heads and over the members of an ensemble, is summed from the pieces of each target word
 onto the pieces of each source word; the source's EOS takes no part. A target piece is aligned by
-the attention of the step that reads it as input, one step after the step that predicted it: the
-decoder state that reads y_t looks at the source words y_t translates, while the state that
-predicts y_t still looks partly at the words before it (Chen et al., 2020, "Accurate word
-alignment induction from neural machine translation"). docs/DECODING.md has the measurements
-behind both choices against hand-made gold alignments (tests/data/alignment/).
+the attention of the step that predicts it. Chen et al. (2020, "Accurate word alignment induction
+from neural machine translation") align it by the next step, which reads it as input; on our
+models that was worse at every layer. docs/DECODING.md has the measurements behind both choices,
+against hand-made gold alignments (tests/data/alignment/).
 """
 
 from __future__ import annotations
@@ -69,10 +68,10 @@ def word_links(attention: Tensor, src_words: list[int], tgt_words: list[int]) ->
 
 
 def align(
-    model, tokenizer, sources: list[list[int]], targets: list[list[int]], layer: int, device, shift: bool = True
+    model, tokenizer, sources: list[list[int]], targets: list[list[int]], layer: int, device, shift: bool = False
 ) -> list[list[tuple[int, int]]]:
-    """Word links of each (source ids, target ids) pair, in input order. shift=False aligns each
-    target piece by the step that predicts it instead of the step that reads it."""
+    """Word links of each (source ids, target ids) pair, in input order. shift=True aligns each
+    target piece by the step that reads it (Chen et al.'s shift) instead of the step that predicts it."""
     lengths = np.array([len(s) + len(t) + 2 for s, t in zip(sources, targets)], dtype=np.int64)
     out: list[list[tuple[int, int]]] = [[] for _ in sources]
     for indices in token_batches(lengths, 4096):
