@@ -3,7 +3,7 @@ the source word its subword pieces attend to most, as Pharaoh/fairseq `i-j` pair
 target word j, both counted from 0 over the whitespace-separated words of the detokenized texts).
 
 The translation is read once more by the decoder, as in training (BOS + its tokens), and the
-cross-attention of one decoder layer (`decode.alignment_layer`, default the penultimate), averaged
+cross-attention of one decoder layer (`decode.alignment_layer`, default the last), averaged
 over its heads and over the members of an ensemble, is summed from the pieces of each target word
 onto the pieces of each source word; the source's EOS takes no part. A target piece is aligned by
 the attention of the step that predicts it. Chen et al. (2020, "Accurate word alignment induction
