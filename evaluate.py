@@ -12,6 +12,9 @@ Arguments (key=value, as for train.py):
     src=PATH ref=PATH a source file and its reference translations instead of a split
     lowercase=false   case-insensitive BLEU (sacreBLEU -lc)
     output=PATH       where the hypotheses go; default: next to the checkpoint
+    compare=PATH      another system's translations of the same source: paired bootstrap and approximate
+                      randomization tests against it (sacreBLEU), with the difference's 95% confidence interval
+    compare_seed=12345  the tests' random draws
     decode.*          as for translate.py (default: beam search, beam 5)
 """
 
@@ -29,14 +32,21 @@ from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import check_output
 from transformer.monitoring import progress_bar
+from transformer.significance import compare
 
 
 @dataclass
 class EvaluateConfig(ScoringInputs):
     lowercase: bool = False
     output: Optional[str] = None
+    compare: Optional[str] = None  # a baseline's hypotheses: test whether this checkpoint differs from it
+    compare_seed: int = 12345
     device: str = "auto"
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        if self.compare_seed < 1:  # sacreBLEU reads a seed of 0 as "no seed"
+            raise ValueError(f"compare_seed={self.compare_seed} must be >= 1")
 
 
 def main(argv: list[str]) -> None:
@@ -47,14 +57,20 @@ def main(argv: list[str]) -> None:
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         label = cfg.decode.label
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
-        output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])
+        inputs = [cfg.checkpoint, *cfg.ensemble, src_path, ref_path, cfg.compare]
+        output = check_output(cfg.output or default_output, inputs)
         sources, references = read_parallel(src_path, ref_path)
+        baseline = None if cfg.compare is None else read_parallel(Path(cfg.compare), ref_path)[0]
         with progress_bar(len(sources), "evaluate") as bar:
             hyps = translate(model, sources, tokenizer, cfg.decode, device, bar, source_name=str(src_path))
         write_lines(output, hyps)
         scores = score(hyps, references, lowercase=cfg.lowercase)
         print(scores.summary(f"{src_path.name} -> {ref_path.name} {label}"))
         print(f"hypotheses: {output}")
+        if baseline is not None:
+            print(f"{label} against compare={cfg.compare} (seed {cfg.compare_seed}):")
+            for result in compare(baseline, hyps, references, cfg.lowercase, cfg.compare_seed):
+                print("  " + result.summary())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ Arguments (key=value, as for train.py):
     decode.n_best=N            N > 1 writes N lines per input: index <TAB> score <TAB> translation
     decode.max_tokens=8192     source tokens per batch
     decode.temperature / decode.top_k / decode.top_p / decode.seed   for sampling
+    prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
+    constraints=true           input lines are source<TAB>phrase<TAB>...: each translation contains the phrases
+    decode.alignment=true      translation <TAB> its word alignment, i-j pairs (source word i, output word j)
 Empty input lines give empty output lines; over-long lines are truncated with a warning.
 """
 
@@ -33,7 +36,15 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
-from transformer.decoding import DecodeConfig, Hypothesis, load_decoder, translate_texts
+from transformer.decoding import (
+    DecodeConfig,
+    Hypothesis,
+    load_decoder,
+    split_constraints,
+    split_prefixes,
+    translate_texts,
+)
+from transformer.decoding.alignment import align_translations
 from transformer.errors import exit_on_user_error
 from transformer.fast import RuntimeConfig
 from transformer.files import atomic_open, check_output
@@ -51,12 +62,16 @@ class TranslateConfig:
     device: str = "auto"
     chunk_lines: int = 2000
     interactive: bool = False
+    prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
+    constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         if self.chunk_lines < 1:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
+        if self.prefix and self.constraints:
+            raise ValueError("prefix=true and constraints=true read different lines: choose one")
 
 
 def input_chunks(cfg: TranslateConfig) -> Iterator[list[str]]:
@@ -86,14 +101,26 @@ def warn_if_target_language(path: str | None, payload: dict) -> None:
         log.warning("input=%s looks like %s, the language the checkpoint translates into (%s)", path, pair[1], direction(pair))  # fmt: skip
 
 
-def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int = 0) -> list[str]:
+def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int = 0, alignments=None) -> list[str]:
     """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation, where
-    n_best[0] is input `first` (counted from 0)."""
+    n_best[0] is input `first` (counted from 0); with alignments, each translation is followed by
+    <TAB> and its i-j word alignment."""
+    texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in n_best]
+    if alignments is not None:
+        texts = [[f"{t}\t{a}" for t, a in zip(ts, links)] for ts, links in zip(texts, alignments)]
     if n == 1:
-        return tokenizer.decode([hyps[0].tokens for hyps in n_best])
-    return [
-        f"{i}\t{h.score:.4f}\t{tokenizer.decode([h.tokens])[0]}" for i, hyps in enumerate(n_best, first) for h in hyps
-    ]
+        return [ts[0] for ts in texts]
+    return [f"{i}\t{h.score:.4f}\t{t}" for i, (hyps, ts) in enumerate(zip(n_best, texts), first) for h, t in zip(hyps, ts)]  # fmt: skip
+
+
+def translate_chunk(cfg: TranslateConfig, model, tokenizer, device, lines: list[str], bar, name: str, count: int) -> list[str]:  # fmt: skip
+    """The output lines of one chunk of input lines, the first of them line count + 1 of `name`."""
+    first = count + 1
+    lines, prefixes = split_prefixes(lines, name, first) if cfg.prefix else (lines, None)
+    lines, constraints = split_constraints(lines, name, first) if cfg.constraints else (lines, None)
+    n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, first, prefixes, constraints)
+    alignments = align_translations(model, lines, n_best, tokenizer, cfg.decode, device) if cfg.decode.alignment else None  # fmt: skip
+    return output_lines(n_best, tokenizer, cfg.decode.n_best, count, alignments)
 
 
 def main(argv: list[str]) -> None:
@@ -107,8 +134,7 @@ def main(argv: list[str]) -> None:
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:
             for lines in input_chunks(cfg):  # each chunk's translations written before the next is read
-                n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, count + 1)
-                write(output_lines(n_best, tokenizer, cfg.decode.n_best, count))
+                write(translate_chunk(cfg, model, tokenizer, device, lines, bar, name, count))
                 count += len(lines)
         if not count:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")

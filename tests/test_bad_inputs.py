@@ -178,6 +178,22 @@ CASES = [
     Case(E, "checkpoint={d}/ende.pt src={d}/src.de ref={d}/ref.en", "src={d}/src.de is in de, but {d}/ende.pt translates en->de"),  # fmt: skip
     Case("scripts/tune_decoding.py", f"{SCORE} ensemble=[{{d}}/ende.pt]", "{d}/ende.pt translates en->de"),
     Case("scripts/tune_decoding.py", f"{CKPT} data_dir={{corpus}} src_lang=en", "src_lang=en"),
+    # 7. target prefixes (source<TAB>prefix) and a system to compare with
+    Case(T, f"{CKPT} prefix=true input={{d}}/in.de", "{d}/in.de:1: expected source<TAB>prefix, found 0 TABs"),
+    Case(T, f"{CKPT} prefix=true", "stdin:2: expected source<TAB>prefix, found 2 TABs", stdin=b"Ein Hund.\tA\nZwei.\tTwo\tcats\n"),  # fmt: skip
+    Case(T, f"{CKPT} prefix=true", "stdin:1: the prefix has", stdin=("Ein Hund.\t" + "dog " * 300 + "\n").encode()),
+    Case(T, f"{CKPT} prefixes=true", "prefixes"),
+    Case(E, f"{SCORE} compare={{d}}/short.en", "line counts differ: {d}/short.en has 1 lines, {d}/ref.en has 2", {"short.en": b"A dog.\n"}),  # fmt: skip
+    Case(E, f"{SCORE} compare={{d}}/missing.en", "cannot read {d}/missing.en"),
+    Case(E, f"{SCORE} compare={{d}}/ref.en compare_seed=0", "compare_seed=0 must be >= 1"),
+    Case(E, f"{SCORE} compare={{d}}/ref.en output={{d}}/ref.en", "output={d}/ref.en is one of the inputs"),
+    Case(T, f"{CKPT} decode.alignment=true decode.alignment_layer=3", "decode.alignment_layer=3, but the decoder has", stdin=SRC),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true", "stdin:2: expected source<TAB>phrase<TAB>..., found an empty phrase", stdin=b"Ein Hund.\tdog\nZwei.\t\tcats\n"),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true decode.strategy=greedy", "constraints need decode.strategy=beam", stdin=b"Ein Hund.\tdog\n"),  # fmt: skip
+    Case(T, f"{CKPT} constraints=true prefix=true", "prefix=true and constraints=true"),
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/short.en ref={d}/ref.en", "line counts differ: {d}/short.en has 1 lines, {d}/ref.en has 2", {"short.en": b"A dog.\n"}),  # fmt: skip
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en", "missing mandatory value: ref"),
+    Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en ref={d}/ref.en seed=0", "seed=0 must be >= 1"),  # fmt: skip
 ]  # fmt: skip
 
 
@@ -272,6 +288,48 @@ def test_evaluate_and_average_write_new_outputs(blobs, tmp_path, monkeypatch, ca
     assert run_main(A, [f"inputs=[{tmp_path / 'model.pt'},{tmp_path / 'other.pt'}]", f"output={avg}"], b"", monkeypatch) == 0  # fmt: skip
     assert checkpoint.load(avg)["averaged_from"] == [str(tmp_path / "model.pt"), str(tmp_path / "other.pt")]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_translate_starts_each_translation_with_its_prefix(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {}, blobs)
+    args = [f"checkpoint={tmp_path / 'model.pt'}", "prefix=true", "decode.max_len_b=3"]
+    assert run_main(T, args, b"Ein Hund.\tA black\n\nZwei Katzen.\tTwo cats are\n", monkeypatch) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and out[0].startswith("A black") and out[1] == "" and out[2].startswith("Two cats are")
+
+
+def test_translate_prints_one_word_link_per_translated_word(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {}, blobs)
+    args = [f"checkpoint={tmp_path / 'model.pt'}", "decode.alignment=true", "decode.alignment_layer=-1", "decode.max_len_b=4"]  # fmt: skip
+    assert run_main(T, args, SRC, monkeypatch) == 0
+    for line in capsys.readouterr().out.splitlines():
+        text, links = line.split("\t")
+        assert sorted(int(pair.split("-")[1]) for pair in links.split()) == list(range(len(text.split())))
+
+
+def test_translate_places_the_constraints_in_each_translation(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {}, blobs)
+    args = [f"checkpoint={tmp_path / 'model.pt'}", "constraints=true", "decode.beam_size=3", "decode.max_len_b=4"]
+    assert run_main(T, args, b"Ein Hund.\tblack dog\tstreet\nZwei Katzen.\n", monkeypatch) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "black dog" in out[0] and "street" in out[0]
+
+
+def test_compare_systems_tests_two_hypothesis_files(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {"worse.en": b"A cat.\nTwo dogs.\n"}, blobs)
+    args = [f"baseline={tmp_path / 'worse.en'}", f"system={tmp_path / 'ref.en'}", f"ref={tmp_path / 'ref.en'}"]
+    assert run_main("scripts/compare_systems.py", args, b"", monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "chrF2: baseline" in out and ", system 100.00, difference +" in out
+
+
+def test_evaluate_compares_its_translations_with_another_system(blobs, tmp_path, monkeypatch, capsys):
+    make_files(tmp_path, {}, blobs)
+    score = [f"checkpoint={tmp_path / 'model.pt'}", f"src={tmp_path / 'src.de'}", f"ref={tmp_path / 'ref.en'}"]
+    args = [*score, "decode.strategy=greedy", "decode.max_len_b=3", f"output={tmp_path / 'h'}", f"compare={tmp_path / 'ref.en'}"]  # fmt: skip
+    assert run_main(E, args, b"", monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "BLEU: baseline" in out and "chrF2: baseline 100.00" in out and "approximate randomization" in out
 
 
 def test_checkpoints_without_a_train_config_still_translate_and_evaluate(blobs, tmp_path, monkeypatch, capsys):

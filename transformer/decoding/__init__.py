@@ -10,20 +10,33 @@ Every search talks to the model through one incremental-state interface:
 
 `Transformer` implements it with a key/value cache, `Uncached` by recomputing the whole prefix
 (the reference the cache is tested and benchmarked against), `Ensemble` by averaging several
-models' probabilities (models.py).
+models' probabilities (models.py). A target prefix that translations must start with is the
+searches' business, not the model's: while a sentence's prefix lasts, `search.force_prefix` leaves
+its next token one choice, so the cache, ensembles and every strategy take it unchanged.
 
     config.py      DecodeConfig: the decode.* settings
     strategies.py  the strategies by name (greedy, beam, sample) and how they differ
     search.py      what every search shares; greedy search and sampling
     beam.py        beam search
+    constrained.py beam search whose translations contain given phrases (constraints=true)
     mbr.py         minimum Bayes risk reranking of beam search's n-best lists
     corpus.py      translating a corpus: batches, precision, n-best lists in input order
+    inputs.py      target prefixes and constraints: the TAB-separated lines translate.py reads
+    alignment.py   word alignments from cross-attention (decode.alignment)
     loading.py     a checkpoint or an ensemble to decode with
 """
 
 from .beam import beam_search
 from .config import DecodeConfig
-from .corpus import decode_batch, encode_sources, translate, translate_corpus, translate_ids, translate_texts
+from .corpus import (
+    decode_batch,
+    encode_sources,
+    translate,
+    translate_corpus,
+    translate_ids,
+    translate_texts,
+)
+from .inputs import split_constraints, split_prefixes
 from .loading import load_decoder
 from .models import Ensemble, Uncached
 from .search import Hypothesis, generate, greedy, sampler
@@ -43,6 +56,8 @@ __all__ = [
     "greedy",
     "load_decoder",
     "sampler",
+    "split_constraints",
+    "split_prefixes",
     "translate",
     "translate_corpus",
     "translate_ids",

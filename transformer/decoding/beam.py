@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..model import padding_mask
-from .search import Hypothesis, max_lengths, select, worth_pruning
+from .search import Hypothesis, force_prefix, max_lengths, select, worth_pruning
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
@@ -26,8 +26,11 @@ def length_penalty(length: Tensor | int, alpha: float):
 
 
 @torch.no_grad()
-def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[Hypothesis]]:
-    """Batched beam search over sentences x beams with GNMT length normalization.
+def beam_search(
+    model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, prefix: Tensor | None = None
+) -> list[list[Hypothesis]]:
+    """Batched beam search over sentences x beams with GNMT length normalization; every hypothesis
+    of a sentence starts with its target prefix (batch, prefix_len; -1 after its end) if given.
 
     Each step scores every (beam, token) extension, keeps hypotheses that end in EOS among the
     best k as finished, and continues with the best k that do not. A sentence is done once it
@@ -40,7 +43,7 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
     """
     k, batch, pad_id = cfg.beam_size, src.size(0), model.cfg.pad_id
     src_mask = padding_mask(src, pad_id)
-    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)  # (batch,)
+    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1, prefix)  # (batch,)
     host_max_len = max_len.cpu()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
@@ -58,6 +61,8 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
         rows_max_len = max_len.repeat_interleave(width)
         forcing = bool((step + 1 >= host_max_len).any())
         lprobs = step_log_probs(logits[:, -1], step, rows_max_len, forcing, eos_id, pad_id, cfg.min_len)
+        if prefix is not None and step < prefix.size(1):  # while a prefix lasts, its beams have one extension
+            lprobs = force_prefix(lprobs, prefix.repeat_interleave(width, dim=0), step)
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
@@ -79,6 +84,7 @@ def beam_search(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig)
             sentence, done, host_max_len = [sentence[i] for i in live.tolist()], done[live], host_max_len[live]
             live = live.to(src.device)
             rows, scores, token, max_len = rows[live].view(-1), scores[live], token[live], max_len[live]
+            prefix = None if prefix is None else prefix[live]
             memory, src_mask = select(memory, live), src_mask[live]  # one row per sentence, see cross_attend
             state.reorder(rows, sources=live)
         else:

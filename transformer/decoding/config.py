@@ -29,6 +29,8 @@ class DecodeConfig:
     precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with bf16 matrix instructions and on GPUs
     mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
     mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
+    alignment: bool = False  # translate.py: each translation, TAB, its word links i-j (alignment.py)
+    alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (negative: from the last)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

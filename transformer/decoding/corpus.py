@@ -15,6 +15,8 @@ from torch import Tensor
 from ..data import TokenizedCorpus, pad, token_batches
 from ..devices import autocast_dtype
 from .config import DecodeConfig
+from .constrained import constrained_beam_search
+from .inputs import encode_constraints, encode_prefixes
 from .mbr import rerank
 from .search import Hypothesis
 from .strategies import STRATEGIES
@@ -22,17 +24,33 @@ from .strategies import STRATEGIES
 log = logging.getLogger(__name__)
 
 
-def decode_batch(model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=None) -> list[list[Hypothesis]]:
-    """One padded batch with the configured strategy: n-best lists (one hypothesis unless it ranks a beam)."""
+def decode_batch(
+    model, src: Tensor, tokenizer, cfg: DecodeConfig, generator=None, prefix: Tensor | None = None, constraints=None
+) -> list[list[Hypothesis]]:
+    """One padded batch with the configured strategy: n-best lists (one hypothesis unless it ranks
+    a beam); with a target prefix (batch, prefix_len; -1 after its end), each starts with its own;
+    with constraints (per sentence, its phrases as token ids), constrained beam search."""
+    if constraints is not None and any(constraints):
+        return constrained_beam_search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, constraints)
     search = STRATEGIES[cfg.strategy].search
-    return search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, generator)
+    return search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, generator, prefix)
 
 
 def translate_ids(
-    model, sources: list[list[int]], tokenizer, cfg: DecodeConfig, device, progress=None
+    model,
+    sources: list[list[int]],
+    tokenizer,
+    cfg: DecodeConfig,
+    device,
+    progress=None,
+    prefixes=None,
+    constraints=None,
 ) -> list[list[Hypothesis]]:
     """Translate token-id sentences in length-sorted batches; n-best lists come back in input order.
-    With decode.mbr, beam search keeps all beam_size hypotheses and MBR chooses their order."""
+    With decode.mbr, beam search keeps all beam_size hypotheses and MBR chooses their order.
+    prefixes: None, or each sentence's target token ids that its translations must start with;
+    constraints: None, or each sentence's target phrases (token ids) that its translations must
+    contain (beam search only, constrained.py)."""
     search = dataclasses.replace(cfg, n_best=cfg.beam_size) if cfg.mbr != "none" else cfg
     lengths = np.array([len(s) + 1 for s in sources], dtype=np.int64)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -42,8 +60,10 @@ def translate_ids(
     amp = autocast_dtype(cfg.precision, device)  # scores and log-probabilities stay fp32 either way
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
+        prefix = batch_prefix([prefixes[i] for i in indices], device) if prefixes else None
+        phrases = [constraints[i] for i in indices] if constraints else None
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            n_best = decode_batch(model, src, tokenizer, search, generator)
+            n_best = decode_batch(model, src, tokenizer, search, generator, prefix, phrases)
         for i, hyps in zip(indices, n_best):
             out[i] = hyps
         if progress is not None:
@@ -52,6 +72,11 @@ def translate_ids(
         texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in out]
         out = [hyps[: cfg.n_best] for hyps in rerank(out, texts, cfg.mbr, cfg.mbr_weights)]
     return out
+
+
+def batch_prefix(prefixes: list[list[int]], device) -> Tensor | None:
+    """The prefixes of one batch as (batch, longest) token ids, -1 after each one's end; None if all are empty."""
+    return pad(prefixes, -1).to(device) if any(prefixes) else None
 
 
 def encode_sources(
@@ -68,15 +93,32 @@ def encode_sources(
 
 
 def translate_texts(
-    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", first_line=1
+    model,
+    texts: list[str],
+    tokenizer,
+    cfg: DecodeConfig,
+    device,
+    progress=None,
+    source_name="input",
+    first_line=1,
+    prefixes=None,
+    constraints=None,
 ) -> list[list[Hypothesis]]:
     """n-best lists for each text, in input order; an empty text gets empty hypotheses. Warnings
-    name texts[0] line `first_line` of source_name."""
-    ids = encode_sources(texts, tokenizer, model.cfg.max_positions - 1, source_name, first_line)
+    and errors name texts[0] line `first_line` of source_name. prefixes: None, or for each text the
+    target text its translations must start with ("" for none); constraints: None, or for each
+    text the target phrases its translations must contain."""
+    limit = model.cfg.max_positions - 1
+    ids = encode_sources(texts, tokenizer, limit, source_name, first_line)
+    forced = None if prefixes is None else encode_prefixes(prefixes, tokenizer, limit, source_name, first_line)
+    phrases = None if constraints is None else encode_constraints(constraints, tokenizer, cfg, limit, source_name, first_line)  # fmt: skip
     todo = [i for i, text in enumerate(texts) if text]
     per_sentence = STRATEGIES[cfg.strategy].hypotheses_per_sentence(cfg)
     out = [[Hypothesis([], 0.0, 0.0)] * per_sentence for _ in texts]
-    for i, hyps in zip(todo, translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress)):
+    chosen = None if forced is None else [forced[i] for i in todo]
+    required = None if phrases is None else [phrases[i] for i in todo]
+    n_best = translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress, chosen, required)
+    for i, hyps in zip(todo, n_best):
         out[i] = hyps
     return out
 

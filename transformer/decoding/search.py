@@ -26,10 +26,30 @@ class Hypothesis:
     log_prob: float
 
 
-def max_lengths(src_mask: Tensor, cfg: DecodeConfig, limit: int) -> Tensor:
-    """(batch,) maximum number of generated tokens per sentence, EOS included."""
+def max_lengths(src_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None) -> Tensor:
+    """(batch,) maximum number of generated tokens per sentence, EOS included; with a target
+    prefix (batch, prefix_len), at least the prefix and max_len_b tokens after it."""
     src_lens = src_mask.flatten(1).sum(-1)
-    return (src_lens * cfg.max_len_a + cfg.max_len_b).long().clamp(min=1, max=limit)
+    max_len = (src_lens * cfg.max_len_a + cfg.max_len_b).long()
+    if prefix is not None:
+        max_len = torch.maximum(max_len, prefix_lengths(prefix) + cfg.max_len_b)
+    return max_len.clamp(min=1, max=limit)
+
+
+def prefix_lengths(prefix: Tensor) -> Tensor:
+    """(rows,) the number of prefix tokens of each row of prefix (rows, prefix_len), padded with -1."""
+    return (prefix >= 0).sum(-1)
+
+
+def force_prefix(lprobs: Tensor, prefix: Tensor | None, step: int) -> Tensor:
+    """Log-probabilities (rows, vocab) that leave each row whose target prefix (rows, prefix_len;
+    -1 where it has ended) has a token at `step` only that token, with its log-probability: every
+    search then takes it, and its score counts it. Other rows are unchanged."""
+    if prefix is None or step >= prefix.size(1):
+        return lprobs
+    token = prefix[:, step : step + 1]  # (rows, 1)
+    forced = torch.full_like(lprobs, -math.inf).scatter(1, token.clamp(min=0), lprobs.gather(1, token.clamp(min=0)))
+    return torch.where(token >= 0, forced, lprobs)
 
 
 def select(memory, rows: Tensor):
@@ -50,14 +70,17 @@ def strip_special(ids: list[int], eos_id: int) -> list[int]:
 
 
 @torch.no_grad()
-def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, choose: Callable) -> list[Hypothesis]:
-    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length.
+def generate(
+    model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, choose: Callable, prefix: Tensor | None = None
+) -> list[Hypothesis]:
+    """Extend each sentence by `choose(log_probs)` until EOS or its maximum length, starting with
+    its target prefix (batch, prefix_len; -1 after its end) when one is given.
 
     Finished sentences leave the batch (see `worth_pruning`), so later steps only pay for the
     sentences still being translated."""
     src_mask = padding_mask(src, model.cfg.pad_id)
     memory, _ = model.encode(src, src_mask)
-    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1)
+    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1, prefix)
     tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
     log_prob = torch.zeros(src.size(0), device=src.device)
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
@@ -69,6 +92,7 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (rows, vocab)
         if step < cfg.min_len:
             lprobs[:, eos_id] = -math.inf
+        lprobs = force_prefix(lprobs, prefix, step)
         next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
         next_token = torch.where(done, model.cfg.pad_id, next_token)
         log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
@@ -84,6 +108,7 @@ def generate(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, ch
             rows = (~done).nonzero().flatten()
             tokens, log_prob, max_len, sentence = tokens[rows], log_prob[rows], max_len[rows], sentence[rows]
             memory, src_mask, done = select(memory, rows), src_mask[rows], done[rows]
+            prefix = None if prefix is None else prefix[rows]
             state.reorder(rows)
     return out  # the last step ends every sentence: max_len forces EOS
 
@@ -93,9 +118,9 @@ def argmax(lprobs: Tensor) -> Tensor:
     return lprobs.argmax(-1)
 
 
-def greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig) -> list[list[int]]:
+def greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, prefix=None) -> list[list[int]]:
     """The most probable next token at every step. src: (batch, src_len) -> token ids, no BOS/EOS."""
-    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, argmax)]
+    return [h.tokens for h in generate(model, src, bos_id, eos_id, cfg, argmax, prefix)]
 
 
 def sampler(cfg: DecodeConfig, generator: torch.Generator) -> Callable[[Tensor], Tensor]:

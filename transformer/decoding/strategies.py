@@ -19,7 +19,8 @@ from .search import Hypothesis, argmax, generate, sampler
 if TYPE_CHECKING:
     from .config import DecodeConfig
 
-# search(model, src, bos_id, eos_id, cfg, generator) -> per sentence, its hypotheses best first
+# search(model, src, bos_id, eos_id, cfg, generator, prefix) -> per sentence, its hypotheses best first;
+# prefix: None, or each sentence's target prefix (batch, prefix_len; -1 after its end) that it must start with
 Search = Callable[..., list[list[Hypothesis]]]
 
 
@@ -45,19 +46,19 @@ class Strategy:
         return f"{self.name}{cfg.beam_size}" + (f"-mbr-{cfg.mbr}" if cfg.mbr != "none" else "")
 
 
-def search_greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+def search_greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None, prefix=None):
     """The most probable token at every step: one hypothesis per sentence."""
-    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, argmax)]
+    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, argmax, prefix)]
 
 
-def search_sample(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+def search_sample(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None, prefix=None):
     """Tokens drawn from the model's distribution (temperature, top-k, top-p): one hypothesis per sentence."""
-    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, sampler(cfg, generator))]
+    return [[h] for h in generate(model, src, bos_id, eos_id, cfg, sampler(cfg, generator), prefix)]
 
 
-def search_beam(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None):
+def search_beam(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None, prefix=None):
     """Beam search: the n_best best of beam_size finished hypotheses per sentence (no randomness)."""
-    return beam_search(model, src, bos_id, eos_id, cfg)
+    return beam_search(model, src, bos_id, eos_id, cfg, prefix)
 
 
 STRATEGIES: dict[str, Strategy] = {

@@ -1,0 +1,69 @@
+"""Paired significance tests between two systems (transformer/significance.py) on tiny systems whose
+answer is known: identical systems do not differ, the references beat a damaged copy of themselves;
+and the difference's confidence interval agrees with sacreBLEU's own bootstrap."""
+
+import gzip
+
+import pytest
+
+from transformer.significance import bootstrap_differences, compare, metrics, paired_test
+
+from .conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def references() -> list[str]:
+    with gzip.open(DATA / "test_2016_flickr.en.gz", "rt", encoding="utf-8") as f:
+        return [next(f).strip() for _ in range(40)]
+
+
+def damaged(sentences: list[str]) -> list[str]:
+    """Each sentence without its second half: a clearly worse system."""
+    return [" ".join(s.split()[: len(s.split()) // 2]) for s in sentences]
+
+
+def small(baseline, system, references, seed=7):
+    return compare(baseline, system, references, seed=seed, bootstrap_samples=200, randomization_trials=500)
+
+
+def test_identical_systems_do_not_differ(references):
+    system = damaged(references[:20]) + references[20:]
+    for result in small(system, list(system), references):
+        assert result.difference == 0 and result.low == 0 == result.high
+        assert result.p_bootstrap == 1.0 and result.p_randomization == 1.0
+
+
+def test_the_references_are_significantly_better_than_a_damaged_copy(references):
+    for result in small(damaged(references), references, references):
+        assert result.system > result.baseline and 0 < result.low <= result.difference <= result.high
+        assert result.p_bootstrap < 0.05 and result.p_randomization < 0.05
+
+
+def test_swapping_the_systems_negates_the_difference_and_keeps_the_p_values(references):
+    a, b = damaged(references[:25]) + references[25:], references[:10] + damaged(references[10:])
+    for forward, backward in zip(small(a, b, references), small(b, a, references)):
+        assert forward.difference == pytest.approx(-backward.difference)
+        assert (forward.low, forward.high) == pytest.approx((-backward.high, -backward.low), abs=1e-3)
+        assert forward.p_randomization == pytest.approx(backward.p_randomization, abs=0.05)
+
+
+def test_a_seed_repeats_a_comparison_exactly(references):
+    a, b = damaged(references[:25]) + references[25:], references[:10] + damaged(references[10:])
+    assert small(a, b, references, seed=3) == small(a, b, references, seed=3)
+
+
+def test_the_difference_interval_comes_from_sacrebleus_own_resamples(references):
+    """The mean of the bootstrapped differences is the difference of the means sacreBLEU reports
+    for the two systems: the same resamples, scored the same way."""
+    a, b = damaged(references[:25]) + references[25:], references[:10] + damaged(references[10:])
+    sacre = paired_test("bs", a, b, references, False, 200, seed=5)
+    for metric, (name, (base, sys)) in zip(metrics(False).values(), sacre.items()):
+        ours = bootstrap_differences(metric, a, b, references, 200, seed=5)
+        assert ours.mean() == pytest.approx(sys.mean - base.mean, abs=1e-4), name
+
+
+def test_a_seed_below_one_and_unequal_lengths_are_refused(references):
+    with pytest.raises(ValueError, match="seed=0"):
+        compare(references, references, references, seed=0)
+    with pytest.raises(ValueError, match="39 and 40 hypotheses for 40 references"):
+        compare(references[:-1], references, references)
