@@ -1,0 +1,156 @@
+"""CTranslate2 export: for each block kind, a briefly trained model exported float32 translates as
+our own decoding does (greedy token for token; beam 5 wherever our search ended with EOS before
+the length limit); models CTranslate2 cannot express, and outputs that would be overwritten, are
+refused with one error line."""
+
+import gzip
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer import checkpoint
+from transformer.data import pad
+from transformer.decoding import DecodeConfig, translate_ids
+from transformer.export import export
+from transformer.export import translate_ids as ctranslate2_ids
+from transformer.model import ModelConfig, Transformer
+from transformer.tokenizer import Tokenizer
+
+from .conftest import ROOT
+from .test_bad_inputs import entry_point
+
+ctranslate2 = pytest.importorskip("ctranslate2")  # in the dev extra; skipped only where it has no wheel
+
+MULTI30K = ROOT / "data" / "multi30k"
+KINDS = {
+    "paper": {},  # post-norm, LayerNorm, sinusoidal, ReLU, MHA with bias, joint vocabulary, tied output
+    "small_modern": dict(norm_first=True, norm="rmsnorm", positional="rope", activation="swiglu"),
+    "gqa": dict(n_kv_heads=2),
+    "mqa_no_bias": dict(n_kv_heads=1, bias=False),
+    "separate_vocab": dict(separate=True),
+    "gelu": dict(activation="gelu"),
+    "learned": dict(positional="learned"),
+    "untied": dict(tie_output=False),
+}
+
+
+def lines(split: str, lang: str, count: int, offset: int = 0) -> list[str]:
+    with gzip.open(MULTI30K / f"{split}.{lang}.gz", "rt", encoding="utf-8") as f:
+        return f.read().splitlines()[offset : offset + count]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    """300 short training pairs, and the joint and separate tokenizers trained on them."""
+    pairs = [(de, en) for de, en in zip(lines("train", "de", 3000), lines("train", "en", 3000)) if len(de) < 60][:300]
+    de, en = [p[0] for p in pairs], [p[1] for p in pairs]
+    joint = Tokenizer.train(de + en, vocab_size=200, model_type="unigram")
+    target = Tokenizer.train(en, vocab_size=160, model_type="unigram")
+    separate = Tokenizer(target.model_bytes, Tokenizer.train(de, vocab_size=180, model_type="unigram").model_bytes)
+    return de, en, joint, separate
+
+
+def trained_model(corpus, options: dict, steps: int = 120) -> tuple[Transformer, Tokenizer]:
+    """A tiny model trained briefly, enough that it ends its translations with EOS."""
+    de, en, joint, separate = corpus
+    options = dict(options)
+    tokenizer = separate if options.pop("separate", False) else joint
+    src_vocab = None if tokenizer.joint else len(tokenizer.source)
+    torch.manual_seed(0)
+    cfg = ModelConfig(len(tokenizer), src_vocab_size=src_vocab, n_encoder_layers=1, n_decoder_layers=2,
+                      d_model=32, n_heads=4, d_ff=64, dropout=0.0, max_positions=128, **options)  # fmt: skip
+    model = Transformer(cfg)
+    src, tgt = tokenizer.source.encode(de), tokenizer.encode(en)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        rows = torch.randint(len(src), (24,), generator=generator).tolist()
+        src_batch = pad([src[i] + [tokenizer.eos_id] for i in rows], tokenizer.pad_id)
+        tgt_batch = pad([[tokenizer.bos_id] + tgt[i] + [tokenizer.eos_id] for i in rows], tokenizer.pad_id)
+        logits = model(src_batch, tgt_batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_batch[:, 1:].flatten(), ignore_index=tokenizer.pad_id)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval(), tokenizer
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exported_model_decodes_as_ours(kind, corpus, tmp_path):
+    model, tokenizer = trained_model(corpus, KINDS[kind])
+    export(model, tokenizer, tmp_path / "ct2", "float32")
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
+    sources = tokenizer.source.encode(corpus[0][:24])  # sentences it was trained on: it ends them
+    for cfg in (DecodeConfig(strategy="greedy"), DecodeConfig(beam_size=5, length_penalty=0.0)):
+        ours = [hyps[0].tokens for hyps in translate_ids(model, sources, tokenizer, cfg, "cpu")]
+        theirs = ctranslate2_ids(translator, tokenizer, sources, cfg, model.cfg.max_positions)
+        # At the length limit our search scores a hypothesis with a forced EOS, CTranslate2 without one.
+        limits = [int((len(s) + 1) * cfg.max_len_a + cfg.max_len_b) - 1 for s in sources]
+        ended = [i for i, tokens in enumerate(ours) if len(tokens) < limits[i]]
+        assert len(ended) >= len(sources) // 4, f"{cfg.label}: {len(ended)} translations end before the limit"
+        compared = range(len(sources)) if cfg.strategy == "greedy" else ended
+        mismatched = [i for i in compared if ours[i] != theirs[i]]
+        assert not mismatched, f"{cfg.label}: sentence {mismatched[0]}: ours {ours[mismatched[0]]}, ctranslate2 {theirs[mismatched[0]]}"  # fmt: skip
+
+
+def test_export_directory_holds_tokenizers_and_note(corpus, tmp_path):
+    model, tokenizer = trained_model(corpus, {"separate": True}, steps=1)
+    export(model, tokenizer, tmp_path / "ct2", "int8")
+    files = {p.name for p in (tmp_path / "ct2").iterdir()}
+    assert {"model.bin", "config.json", "spm.model", "spm.src.model", "README.md"} <= files
+    assert (tmp_path / "ct2" / "spm.src.model").read_bytes() == tokenizer.source_bytes
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    assert translator.translate_batch([["▁Ein"]], max_decoding_length=3)[0].hypotheses
+
+
+def saved_checkpoint(corpus, path: Path, options: dict) -> Path:
+    model, tokenizer = trained_model(corpus, options, steps=0)
+    checkpoint.save(path, model, tokenizer, {"data": {"src_lang": "de", "tgt_lang": "en"}}, step=0)
+    return path
+
+
+def run_export(argv: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        entry_point("scripts/export_ctranslate2.py").main(argv)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+@pytest.mark.parametrize("kind", ["moh", "dcmha", "overlap"])
+def test_inexpressible_attention_is_refused(kind, corpus, tmp_path, capsys):
+    path = saved_checkpoint(corpus, tmp_path / "model.pt", {"attention": {"kind": kind, "overlap": 2}})
+    code, _, err = run_export([f"checkpoint={path}", f"output={tmp_path / 'out'}"], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error:") and f"model.attention.kind={kind}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_not_overwritten_unless_asked(corpus, tmp_path, capsys):
+    path = saved_checkpoint(corpus, tmp_path / "model.pt", {})
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    code, _, err = run_export([f"checkpoint={path}", f"output={output}"], capsys)
+    assert code == 2 and err.startswith("error:") and "overwrite=true" in err
+    assert (output / "keep.txt").read_text() == "mine"
+    for target in (path, tmp_path):  # the checkpoint itself; a directory above nothing new
+        code, _, err = run_export([f"checkpoint={path}", f"output={target}"], capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error:")
+    assert checkpoint.load(path)["step"] == 0
+    code, out, _ = run_export([f"checkpoint={path}", f"output={output}", "overwrite=true"], capsys)
+    assert code == 0 and "exported" in out
+    assert not (output / "keep.txt").exists() and (output / "model.bin").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+@pytest.mark.parametrize("argv", [["quantization=int4"], ["checkpoint=missing.pt"], ["output=x"]])
+def test_bad_arguments_get_one_error_line(argv, tmp_path, capsys):
+    args = {"checkpoint": str(tmp_path / "missing.pt"), "output": str(tmp_path / "out")}
+    args.update(arg.split("=", 1) for arg in argv)
+    if argv == ["output=x"]:
+        del args["checkpoint"]
+    code, _, err = run_export([f"{k}={v}" for k, v in args.items()], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error:"), err
