@@ -53,7 +53,9 @@ def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, EvaluateConfig, __doc__)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
+        device, model, tokenizer, payload = load_decoder(
+            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
+        )
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         label = cfg.decode.label
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")

@@ -129,7 +129,9 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, TranslateConfig, __doc__)
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
+        device, model, tokenizer, payload = load_decoder(
+            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
+        )
         warn_if_target_language(cfg.input, payload)
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:

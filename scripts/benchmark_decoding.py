@@ -20,14 +20,22 @@ against Hugging Face transformers' `generate` at the same model size.
    `ours-reference` is the reference model without any speed path (runtime=reference).
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
+3. CTranslate2 (if ctranslate2 is installed; ctranslate2=false skips it): for each preset, our
+   random-weight model is exported (transformer/export.py) and the same weights decode the same
+   `peer_sentences` sources in one batch, forced to `new_tokens` steps, greedy and beam 5: ours in
+   fp32, bf16 (where the CPU has bf16 matrix instructions) and int8 (decode.precision=int8), and
+   CTranslate2 with compute_type float32, int8 and bfloat16 (where its CPU build offers it), all with the same
+   threads; timed in turns as in part 2 and compared with CTranslate2 float32 (`vs ct2 fp32`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -41,7 +49,9 @@ from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, Uncached, translate_ids
 from transformer.devices import cpu_has_bf16_matmul, pick_device
 from transformer.errors import exit_on_user_error
+from transformer.export import export
 from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast.int8 import quantize_int8
 from transformer.fast.linear import AVAILABLE as ONEDNN_AVAILABLE
 from transformer.files import atomic_write_text, check_output
 from transformer.model import ModelConfig, Transformer, count_parameters
@@ -58,6 +68,7 @@ class BenchConfig:
     device: str = "auto"  # cuda when present, else cpu
     threads: int = 0
     peers: bool = True  # part 2: against HF generate (needs transformers)
+    ctranslate2: bool = True  # part 3: against CTranslate2 on the same weights (needs ctranslate2)
     presets: list[str] = field(default_factory=lambda: ["small", "base"])
     peer_sentences: int = 64
     new_tokens: int = 30
@@ -249,9 +260,78 @@ def main(argv: list[str]) -> None:
             print(f"against HF generate: {cfg.peer_sentences} sentences in one batch, {cfg.new_tokens} tokens each")
             results["peers"] = peer_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test), device)
             print_peer_rows(results["peers"])
+    if cfg.ctranslate2:
+        try:
+            import ctranslate2
+        except ImportError:
+            print("ctranslate2 skipped: it is not installed (pip install -e '.[export]')", file=sys.stderr)
+        else:
+            supported = sorted(ctranslate2.get_supported_compute_types("cpu"))
+            print(f"CTranslate2 compute types on this CPU: {supported}")
+            print(f"against CTranslate2 {ctranslate2.__version__}: the same weights, {cfg.peer_sentences} sentences in one batch, {cfg.new_tokens} steps each")  # fmt: skip
+            results["ctranslate2"] = ctranslate2_rows(cfg, tokenizer, sources_for_peers(cfg, tokenizer, test), device)
+            print_ctranslate2_rows(results["ctranslate2"])
     if cfg.output:
         with exit_on_user_error():
             atomic_write_text(cfg.output, json.dumps(results, indent=2))
+
+
+def ctranslate2_decoders(cfg: BenchConfig, model, tokenizer, sources, directory: Path, beams: int) -> dict:
+    """name -> callable decoding `sources` forced to cfg.new_tokens steps: ours and CTranslate2's."""
+    import ctranslate2
+
+    has_bf16 = cpu_has_bf16_matmul() and cfg.isa is None
+    threads = torch.get_num_threads()
+    strategy = "greedy" if beams == 1 else "beam"
+    forced = DecodeConfig(strategy=strategy, beam_size=beams, max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip
+    int8 = quantize_int8(copy.deepcopy(model))
+    runs = {"ours fp32": partial(translate_ids, model, sources, tokenizer, forced, "cpu")}
+    if has_bf16:
+        runs["ours bf16"] = partial(translate_ids, model, sources, tokenizer, dataclasses.replace(forced, precision="bf16"), "cpu")  # fmt: skip
+    runs["ours int8"] = partial(translate_ids, int8, sources, tokenizer, dataclasses.replace(forced, precision="int8"), "cpu")  # fmt: skip
+    pieces = [[tokenizer.source.sp.id_to_piece(t) for t in s] for s in sources]
+    options = dict(beam_size=beams, max_decoding_length=cfg.new_tokens, min_decoding_length=cfg.new_tokens, length_penalty=0.0, max_batch_size=0)  # fmt: skip
+    supported = ctranslate2.get_supported_compute_types("cpu")  # its CPU bfloat16 depends on the build and CPU
+    for compute_type in [t for t in ("float32", "int8_float32", "bfloat16") if t in supported]:
+        translator = ctranslate2.Translator(
+            str(directory), device="cpu", compute_type=compute_type, intra_threads=threads
+        )
+        runs[f"ct2 {compute_type}"] = partial(translator.translate_batch, pieces, **options)
+    return runs
+
+
+def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: torch.device) -> list[dict]:
+    """Ours against CTranslate2 on the same (exported) random weights and forced lengths, on the CPU."""
+    if device.type != "cpu":
+        print("ctranslate2 skipped: measured on the CPU only", file=sys.stderr)
+        return []
+    rows = []
+    for preset in cfg.presets:
+        layers, d_model, heads, d_ff = PRESETS[preset]
+        torch.manual_seed(0)
+        model = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0, runtime=RuntimeConfig()).eval()
+        with tempfile.TemporaryDirectory() as tmp:
+            export(model, tokenizer, Path(tmp) / "ct2", "float32")
+            for beams in (1, cfg.beam_size):
+                runs = ctranslate2_decoders(cfg, model, tokenizer, sources, Path(tmp) / "ct2", beams)
+                for run in runs.values():  # untimed: one-time costs (allocations, packing, kernel setup)
+                    run()
+                timings = race(runs, cfg.rounds, device)
+                seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
+                for name in runs:
+                    rows.append({
+                        "preset": preset, "strategy": "greedy" if beams == 1 else f"beam{beams}", "decoder": name,
+                        "seconds": seconds[name], "seconds_of_rounds": [round(t, 3) for t in timings[name][0]],
+                        "tokens_per_s": len(sources) * cfg.new_tokens / seconds[name],
+                        "vs_ct2_fp32": seconds["ct2 float32"] / seconds[name],
+                    })  # fmt: skip
+    return rows
+
+
+def print_ctranslate2_rows(rows: list[dict]) -> None:
+    print(f"{'preset':<7}{'strategy':<9}{'decoder':<18}{'tok/s':>9}{'seconds':>9}{'vs ct2 fp32':>12}")
+    for r in rows:
+        print(f"{r['preset']:<7}{r['strategy']:<9}{r['decoder']:<18}{r['tokens_per_s']:>9.0f}{r['seconds']:>9.2f}{r['vs_ct2_fp32']:>11.2f}x")  # fmt: skip
 
 
 def sources_for_peers(cfg: BenchConfig, tokenizer, test) -> list[list[int]]:

@@ -116,7 +116,9 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, TuneConfig, __doc__)
         check(cfg)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
+        device, model, tokenizer, payload = load_decoder(
+            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
+        )
         src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.decoding.json")
         output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])

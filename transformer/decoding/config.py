@@ -11,6 +11,8 @@ from ..devices import PRECISIONS
 from .mbr import UTILITIES, WEIGHTS
 from .strategies import STRATEGIES
 
+DECODE_PRECISIONS = (*PRECISIONS, "int8")  # int8: linear layers quantized for CPU decoding (fast/int8.py)
+
 
 @dataclass
 class DecodeConfig:
@@ -26,7 +28,7 @@ class DecodeConfig:
     top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
     top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
     seed: int = 1  # sampling
-    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast; auto: bf16 on CPUs with bf16 matrix instructions and on GPUs
+    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast (auto: bf16 on CPUs with bf16 matrix instructions and on GPUs), or int8 linear layers on CPU
     mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
     mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
     alignment: bool = False  # translate.py: each translation, TAB, its word links i-j (alignment.py)
@@ -38,8 +40,8 @@ class DecodeConfig:
         self.check_ranges()
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"decode.precision={self.precision!r} is not one of {PRECISIONS}")
+        if self.precision not in DECODE_PRECISIONS:
+            raise ValueError(f"decode.precision={self.precision!r} is not one of {DECODE_PRECISIONS}")
         if self.mbr not in UTILITIES or self.mbr_weights not in WEIGHTS:
             raise ValueError(f"decode.mbr must be one of {UTILITIES} and decode.mbr_weights one of {WEIGHTS}")
         if self.mbr != "none" and not STRATEGIES[self.strategy].ranks:

@@ -1,5 +1,5 @@
 """Loading what to decode with: one checkpoint, or several averaged as an `Ensemble`, each with
-the speed paths its runtime config asks for."""
+the speed paths its runtime config asks for and, with decode.precision=int8, int8 linear layers."""
 
 from __future__ import annotations
 
@@ -9,16 +9,26 @@ from ..checkpoint import direction, language_pair, load_model, same_direction
 from ..devices import pick_device
 from ..errors import ConfigError
 from ..fast import RuntimeConfig, accelerate
+from ..fast.int8 import quantize_int8
 from .models import Ensemble
 
 
-def load_decoder(checkpoint: str, ensemble: list[str], device_name: str, runtime: RuntimeConfig | None = None):
+def load_decoder(
+    checkpoint: str,
+    ensemble: list[str],
+    device_name: str,
+    runtime: RuntimeConfig | None = None,
+    precision: str = "fp32",
+):
     """(device, the model to decode with: one checkpoint or an Ensemble, its tokenizer, the first payload).
 
-    `runtime` chooses the speed paths installed on every loaded model (transformer.fast.accelerate)."""
+    `runtime` chooses the speed paths installed on every loaded model (transformer.fast.accelerate);
+    precision="int8" (decode.precision) then quantizes their linear layers (CPU only)."""
     device = pick_device(device_name)
+    if precision == "int8" and device.type != "cpu":
+        raise ConfigError(f"decode.precision=int8 decodes on the CPU only, but device={device.type}")
     model, tokenizer, payload = load_model(Path(checkpoint), device)
-    model = accelerate(model, runtime)
+    model = prepare(model, runtime, precision)
     if not ensemble:
         return device, model, tokenizer, payload
     others = [load_model(Path(path), device) for path in ensemble]
@@ -31,4 +41,10 @@ def load_decoder(checkpoint: str, ensemble: list[str], device_name: str, runtime
             )
         if not other_tokenizer.same_as(tokenizer):
             raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
-    return device, Ensemble([model] + [accelerate(m, runtime) for m, _, _ in others]), tokenizer, payload
+    return device, Ensemble([model] + [prepare(m, runtime, precision) for m, _, _ in others]), tokenizer, payload
+
+
+def prepare(model, runtime: RuntimeConfig | None, precision: str):
+    """The speed paths on `model`, then for int8 its linear layers quantized."""
+    model = accelerate(model, runtime)
+    return quantize_int8(model) if precision == "int8" else model

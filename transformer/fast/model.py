@@ -13,7 +13,7 @@ from ..model import DecoderLayer, DecoderState, Transformer
 from . import cache
 from .attention import attend_memory_folded
 from .encoding import encode_grouped
-from .linear import PackedWeight, linear
+from .linear import Linear, PackedWeight, linear
 
 
 class FastTransformer(Transformer):
@@ -46,9 +46,12 @@ class FastDecoderLayer(DecoderLayer):
 
 
 class FastFeedForward(FeedForward):
-    """The activation applied by oneDNN inside the first product (fast/linear.py)."""
+    """The activation applied by oneDNN inside the first product (fast/linear.py); int8 linear
+    layers (fast/int8.py) take the reference path."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(self.linear1, Linear):
+            return super().forward(x)
         return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
 
 

@@ -1,0 +1,109 @@
+"""How closely the CTranslate2 export and int8 decoding follow our own fp32 decoding of a checkpoint:
+share of identical outputs, sacreBLEU of each, and decoding time, on one test split.
+
+    python scripts/compare_exported.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt sentences=500
+
+For greedy search and beam search (beam_size), it decodes the first `sentences` sentences of
+`split` with: ours in fp32 (the reference for the shares), ours with decode.precision=int8, and
+the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8). Beam
+search uses length_penalty (default 0: our GNMT penalty and CTranslate2's length ** alpha agree
+only there). Prints a table and writes JSON to output= if given. Needs ctranslate2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from transformer.benchmarking import hardware, timed
+from transformer.cli import parse_args
+from transformer.data import DataConfig, load_split
+from transformer.decoding import DecodeConfig, load_decoder, translate_ids
+from transformer.errors import exit_on_user_error
+from transformer.evaluation import score
+from transformer.export import export, require_ctranslate2
+from transformer.export import translate_ids as ctranslate2_ids
+from transformer.files import atomic_write_text, check_output
+
+
+@dataclass
+class CompareConfig:
+    checkpoint: str = "???"
+    split: str = "test_2016_flickr"
+    data_dir: str = "data/multi30k"
+    sentences: int = 500
+    beam_size: int = 5
+    length_penalty: float = 0.0
+    threads: int = 0
+    output: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for key in ("sentences", "beam_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+
+
+def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
+    """name -> function(sources, decode config) -> token ids; the tokenizer; max_positions."""
+    ct2 = require_ctranslate2()
+    _, fp32, tokenizer, _ = load_decoder(cfg.checkpoint, [], "cpu")
+    _, int8, _, _ = load_decoder(cfg.checkpoint, [], "cpu", precision="int8")
+    export(fp32, tokenizer, directory, "float32")
+    threads = torch.get_num_threads()
+    limit = fp32.cfg.max_positions
+
+    def ours(model, precision):
+        return lambda src, dc: [h[0].tokens for h in translate_ids(model, src, tokenizer, dataclasses.replace(dc, precision=precision), "cpu")]  # fmt: skip
+
+    def theirs(compute_type):
+        translator = ct2.Translator(str(directory), device="cpu", compute_type=compute_type, intra_threads=threads)
+        return lambda src, dc: ctranslate2_ids(translator, tokenizer, src, dc, limit)
+
+    runs = {"ours fp32": ours(fp32, "fp32"), "ours int8": ours(int8, "int8")}
+    runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
+    return runs, tokenizer, limit
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, CompareConfig, __doc__)
+        if cfg.output:
+            check_output(cfg.output, [cfg.checkpoint])
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        test = load_split(DataConfig(dir=cfg.data_dir), cfg.split)
+        with tempfile.TemporaryDirectory() as tmp:
+            runs, tokenizer, _ = decoders(cfg, Path(tmp) / "ct2")
+            texts, refs = list(test["src"])[: cfg.sentences], list(test["tgt"])[: cfg.sentences]
+            sources = tokenizer.source.encode(texts)
+            results = {"hardware": hardware(), "checkpoint": cfg.checkpoint, "sentences": len(sources), "rows": []}
+            beam = DecodeConfig(beam_size=cfg.beam_size, length_penalty=cfg.length_penalty)
+            for dc in (beam.greedy(), beam):
+                outputs = {}
+                for name, run in runs.items():
+                    run(sources[:2], dc)  # untimed: one-time costs (allocations, kernel setup)
+                    seconds, outputs[name] = timed(lambda run=run, dc=dc: run(sources, dc), torch.device("cpu"))
+                    bleu = score(tokenizer.decode(outputs[name]), refs)
+                    same = sum(a == b for a, b in zip(outputs[name], outputs["ours fp32"])) / len(sources)
+                    results["rows"].append({"strategy": dc.label, "decoder": name, "seconds": seconds, "bleu": bleu.bleu, "same_as_ours_fp32": same})  # fmt: skip
+    print(json.dumps(results["hardware"]))
+    print(f"{cfg.checkpoint}: {len(sources)} {cfg.split} sentences, length_penalty={cfg.length_penalty}")
+    print(f"{'strategy':<9}{'decoder':<22}{'BLEU':>7}{'same':>8}{'seconds':>9}{'speed vs ours fp32':>20}")
+    reference = {r["strategy"]: r["seconds"] for r in results["rows"] if r["decoder"] == "ours fp32"}
+    for r in results["rows"]:
+        r["speed_vs_ours_fp32"] = reference[r["strategy"]] / r["seconds"]
+        print(f"{r['strategy']:<9}{r['decoder']:<22}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.1f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
+    if cfg.output:
+        with exit_on_user_error():
+            atomic_write_text(cfg.output, json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""CTranslate2 export: for each block kind, a briefly trained model exported float32 translates as
+our own decoding does (greedy token for token; beam 5 wherever our search ended with EOS before
+the length limit); models CTranslate2 cannot express, and outputs that would be overwritten, are
+refused with one error line."""
+
+from pathlib import Path
+
+import pytest
+
+from transformer import checkpoint
+from transformer.decoding import DecodeConfig, translate_ids
+from transformer.export import export
+from transformer.export import translate_ids as ctranslate2_ids
+
+from .briefly_trained import multi30k_corpus, trained_model
+from .test_bad_inputs import entry_point
+
+ctranslate2 = pytest.importorskip("ctranslate2")  # in the dev extra; skipped only where it has no wheel
+
+KINDS = {
+    "paper": {},  # post-norm, LayerNorm, sinusoidal, ReLU, MHA with bias, joint vocabulary, tied output
+    "small_modern": dict(norm_first=True, norm="rmsnorm", positional="rope", activation="swiglu"),
+    "gqa": dict(n_kv_heads=2),
+    "mqa_no_bias": dict(n_kv_heads=1, bias=False),
+    "separate_vocab": dict(separate=True),
+    "gelu": dict(activation="gelu"),
+    "learned": dict(positional="learned"),
+    "untied": dict(tie_output=False),
+}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return multi30k_corpus()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exported_model_decodes_as_ours(kind, corpus, tmp_path):
+    model, tokenizer = trained_model(corpus, KINDS[kind])
+    export(model, tokenizer, tmp_path / "ct2", "float32")
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
+    sources = tokenizer.source.encode(corpus[0][:24])  # sentences it was trained on: it ends them
+    for cfg in (DecodeConfig(strategy="greedy"), DecodeConfig(beam_size=5, length_penalty=0.0)):
+        ours = [hyps[0].tokens for hyps in translate_ids(model, sources, tokenizer, cfg, "cpu")]
+        theirs = ctranslate2_ids(translator, tokenizer, sources, cfg, model.cfg.max_positions)
+        # At the length limit our search scores a hypothesis with a forced EOS, CTranslate2 without one:
+        # beam search is compared where ours ended before it, on at least a quarter of the sentences.
+        limits = [int((len(s) + 1) * cfg.max_len_a + cfg.max_len_b) - 1 for s in sources]
+        compared = [i for i, tokens in enumerate(ours) if cfg.strategy == "greedy" or len(tokens) < limits[i]]
+        assert len(compared) >= len(sources) // 4, f"{cfg.label}: {len(compared)} translations end before the limit"
+        mismatched = [i for i in compared if ours[i] != theirs[i]]
+        assert not mismatched, f"{cfg.label}: sentence {mismatched[0]}: ours {ours[mismatched[0]]}, ctranslate2 {theirs[mismatched[0]]}"  # fmt: skip
+
+
+def test_export_directory_holds_tokenizers_and_note(corpus, tmp_path):
+    model, tokenizer = trained_model(corpus, {"separate": True}, steps=1)
+    export(model, tokenizer, tmp_path / "ct2", "int8")
+    files = {p.name for p in (tmp_path / "ct2").iterdir()}
+    assert {"model.bin", "config.json", "spm.model", "spm.src.model", "README.md"} <= files
+    assert (tmp_path / "ct2" / "spm.src.model").read_bytes() == tokenizer.source_bytes
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    assert translator.translate_batch([["▁Ein"]], max_decoding_length=3)[0].hypotheses
+
+
+def saved_checkpoint(corpus, path: Path, options: dict) -> Path:
+    model, tokenizer = trained_model(corpus, options, steps=0)
+    checkpoint.save(path, model, tokenizer, {"data": {"src_lang": "de", "tgt_lang": "en"}}, step=0)
+    return path
+
+
+def run_export(argv: list[str], capsys) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        entry_point("scripts/export_ctranslate2.py").main(argv)
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+@pytest.mark.parametrize("kind", ["moh", "dcmha", "overlap"])
+def test_inexpressible_attention_is_refused(kind, corpus, tmp_path, capsys):
+    path = saved_checkpoint(corpus, tmp_path / "model.pt", {"attention": {"kind": kind, "overlap": 2}})
+    code, _, err = run_export([f"checkpoint={path}", f"output={tmp_path / 'out'}"], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error:") and f"model.attention.kind={kind}" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_is_not_overwritten_unless_asked(corpus, tmp_path, capsys):
+    path = saved_checkpoint(corpus, tmp_path / "model.pt", {})
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    code, _, err = run_export([f"checkpoint={path}", f"output={output}"], capsys)
+    assert code == 2 and err.startswith("error:") and "overwrite=true" in err
+    assert (output / "keep.txt").read_text() == "mine"
+    for target in (path, tmp_path):  # the checkpoint itself; a directory above nothing new
+        code, _, err = run_export([f"checkpoint={path}", f"output={target}"], capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error:")
+    assert checkpoint.load(path)["step"] == 0
+    code, out, _ = run_export([f"checkpoint={path}", f"output={output}", "overwrite=true"], capsys)
+    assert code == 0 and "exported" in out
+    assert not (output / "keep.txt").exists() and (output / "model.bin").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directory left
+
+
+@pytest.mark.parametrize("argv", [["quantization=int4"], ["checkpoint=missing.pt"], ["output=x"]])
+def test_bad_arguments_get_one_error_line(argv, tmp_path, capsys):
+    args = {"checkpoint": str(tmp_path / "missing.pt"), "output": str(tmp_path / "out")}
+    args.update(arg.split("=", 1) for arg in argv)
+    if argv == ["output=x"]:
+        del args["checkpoint"]
+    code, _, err = run_export([f"{k}={v}" for k, v in args.items()], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error:"), err
