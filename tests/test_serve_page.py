@@ -2,7 +2,9 @@
 translation and its alternatives appear, and the cross-attention heatmap of the chosen one is drawn.
 
 Needs chromium and chromedriver (Debian: apt-get install chromium chromium-driver; .ci/run installs
-them) and selenium (the dev extra). Without them the test is skipped here, and fails in CI (CI=true)."""
+them) and selenium (the dev extra). Without them the test is skipped here, and fails in CI (CI=true).
+The page as the test leaves it is saved as serve-page.png in the test's tmp_path, or at the path in
+the environment variable SERVE_PAGE_SCREENSHOT."""
 
 from __future__ import annotations
 
@@ -74,3 +76,4 @@ def test_type_translate_and_see_the_translation_and_its_heatmap(browser, tmp_pat
         assert len(cells) == len(source_tokens) > 1
         assert all("rgba" in cell.get_attribute("style") for cell in cells)
         assert not browser.find_element(By.ID, "status").get_attribute("class")  # no error shown
+        browser.save_screenshot(os.environ.get("SERVE_PAGE_SCREENSHOT") or str(tmp_path / "serve-page.png"))
