@@ -67,3 +67,42 @@ def test_a_seed_below_one_and_unequal_lengths_are_refused(references):
         compare(references, references, references, seed=0)
     with pytest.raises(ValueError, match="39 and 40 hypotheses for 40 references"):
         compare(references[:-1], references, references)
+
+
+def fake_run(directory, hypotheses: dict[str, list[str]]):
+    """A run directory as train.py leaves it, as far as scripts/seed_table.py reads it."""
+    (directory / ".hydra").mkdir(parents=True)
+    (directory / ".hydra" / "config.yaml").write_text(f"data:\n  dir: {DATA}\n  src_lang: de\n  tgt_lang: en\n")
+    for split, lines in hypotheses.items():
+        (directory / f"{split}.beam5.en").write_text("".join(line + "\n" for line in lines))
+    return directory
+
+
+def test_seed_table_gives_each_seed_and_their_mean_and_spread(tmp_path, monkeypatch, capsys):
+    from .test_bad_inputs import run_main
+
+    refs = {split: [line.strip() for line in gzip.open(DATA / f"{split}.en.gz", "rt", encoding="utf-8")] for split in ("val", "test_2016_flickr")}  # fmt: skip
+    perfect = fake_run(tmp_path / "perfect", refs)
+    worse = fake_run(tmp_path / "worse", {split: damaged(lines) for split, lines in refs.items()})
+    args = [f"runs=[{perfect},{worse}]", "splits=[val,test_2016_flickr]", f"baseline={worse}", "seed=3"]
+    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith(f"| {perfect} |"))
+    assert row.split(" | ")[1:4] == ["100.00", "100.00", "100.00"]
+    worse_bleu = float(next(line for line in out.splitlines() if line.startswith(f"| {worse} |")).split(" | ")[1])
+    mean_row = next(line for line in out.splitlines() if line.startswith("| mean ± sd over 2 |"))
+    mean, sd = mean_row.split(" | ")[1].split(" ± ")
+    assert float(mean) == pytest.approx((100 + worse_bleu) / 2, abs=0.01)
+    assert float(sd) == pytest.approx((100 - worse_bleu) / 2**0.5, abs=0.01)
+    worse_test = float(next(line for line in out.splitlines() if line.startswith(f"| {worse} |")).split(" | ")[4])
+    assert f"test_2016_flickr {perfect}: BLEU: baseline {worse_test:.2f}, system 100.00" in out
+    assert f"val {perfect}:" not in out  # the validation split chose the recipe: only test splits are compared
+
+
+def test_seed_table_names_the_missing_hypotheses_and_how_to_write_them(tmp_path, monkeypatch, capsys):
+    from .test_bad_inputs import run_main
+
+    run = fake_run(tmp_path / "run", {})
+    assert run_main("scripts/seed_table.py", [f"runs=[{run}]", "splits=[val]"], b"", monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert f"{run}/val.beam5.en does not exist; write it with: python evaluate.py checkpoint={run}/checkpoint_best.pt split=val" in err  # fmt: skip

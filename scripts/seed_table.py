@@ -1,0 +1,130 @@
+"""One recipe over several seeds: each seed's scores, their mean and standard deviation, and paired
+tests of each seed against another system, as docs/RESULTS.md reports each recipe.
+
+    python scripts/seed_table.py runs=[RUN1,RUN2,RUN3]
+    python scripts/seed_table.py runs=[RUN1,RUN2,RUN3] baseline=OTHER_RUN
+
+Each RUN is a train.py run directory. Its hypotheses RUN/<split>.<decoding>.<target language> are
+scored against the references of the run's corpus (RUN/.hydra/config.yaml) with sacreBLEU: BLEU
+cased and lowercased, and chrF. train.py writes the test splits' hypotheses; those of the
+validation split come from
+
+    python evaluate.py checkpoint=RUN/checkpoint_best.pt split=val output=RUN/val.beam5.en
+
+With baseline=, every seed is compared with that run's hypotheses of each test split by
+sacreBLEU's paired bootstrap and approximate randomization (transformer/significance.py).
+
+Arguments (key=value, as for train.py):
+    runs=[DIR,...]    the seeds' run directories (all on the same corpus and language pair)
+    splits=[val,test_2016_flickr,test_2017_flickr]
+    decoding=beam5    which hypotheses: beam5 or greedy, as the files are named
+    baseline=DIR      another run (or any directory holding <split>.<decoding>.<lang> files)
+    seed=12345        the paired tests' random draws
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from transformer.cli import parse_args
+from transformer.data import corpus_file, read_lines
+from transformer.errors import ConfigError, exit_on_user_error
+from transformer.evaluation import score
+from transformer.significance import compare
+
+COLUMNS = ("BLEU", "BLEU lc", "chrF")
+
+
+@dataclass
+class SeedTableConfig:
+    runs: list[str] = field(default_factory=list)
+    splits: list[str] = field(default_factory=lambda: ["val", "test_2016_flickr", "test_2017_flickr"])
+    decoding: str = "beam5"
+    baseline: Optional[str] = None
+    seed: int = 12345
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise ValueError("runs=[DIR,...] names no run")
+        if self.seed < 1:  # sacreBLEU reads a seed of 0 as "no seed"
+            raise ValueError(f"seed={self.seed} must be >= 1")
+
+
+def corpus(run: Path) -> tuple[Path, str]:
+    """The data directory and target language a run was trained on."""
+    path = run / ".hydra" / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist: {run} is not a train.py run directory")
+    data = OmegaConf.load(path).get("data", {})
+    return Path(data.get("dir", "data/multi30k")), str(data.get("tgt_lang"))
+
+
+def hypotheses(directory: Path, split: str, decoding: str, lang: str) -> list[str]:
+    path = directory / f"{split}.{decoding}.{lang}"
+    if not path.is_file():
+        hint = (
+            f"; write it with: python evaluate.py checkpoint={directory}/checkpoint_best.pt split={split} output={path}"
+        )
+        raise ConfigError(f"{path} does not exist{hint if decoding == 'beam5' else ''}")
+    return read_lines(path)
+
+
+def scores(hyps: list[str], refs: list[str], name: str) -> tuple[float, float, float]:
+    if len(hyps) != len(refs):
+        raise ConfigError(f"{name} has {len(hyps)} lines, its references {len(refs)}")
+    cased, lowercased = score(hyps, refs), score(hyps, refs, lowercase=True)
+    return cased.bleu, lowercased.bleu, cased.chrf
+
+
+def mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.2f} ± {sd:.2f}"
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, SeedTableConfig, __doc__)
+        runs = [Path(r) for r in cfg.runs]
+        corpora = {corpus(run) for run in runs}
+        if len(corpora) > 1:
+            raise ConfigError(f"the runs were trained on different corpora or targets: {sorted(map(str, corpora))}")
+        data_dir, lang = corpora.pop()
+        refs = {split: read_lines(corpus_file(data_dir, split, lang)) for split in cfg.splits}
+        table = {
+            (run, split): scores(hypotheses(run, split, cfg.decoding, lang), refs[split], f"{run}/{split}")
+            for run in runs
+            for split in cfg.splits
+        }
+        header = " | ".join(f"{split} {c}" for split in cfg.splits for c in COLUMNS)
+        print(f"{cfg.decoding}, sacreBLEU: BLEU cased, BLEU lowercased (-lc), chrF\n")
+        print(f"| run | {header} |")
+        print("|---|" + "---:|" * (len(cfg.splits) * len(COLUMNS)))
+        for run in runs:
+            cells = " | ".join(f"{v:.2f}" for split in cfg.splits for v in table[run, split])
+            print(f"| {run} | {cells} |")
+        means = " | ".join(
+            mean_sd([table[run, split][i] for run in runs]) for split in cfg.splits for i in range(len(COLUMNS))
+        )
+        print(f"| mean ± sd over {len(runs)} | {means} |")
+        print(f"\n{score(['a'], ['a']).bleu_signature}\n{score(['a'], ['a'], lowercase=True).bleu_signature}")
+        print(score(["a"], ["a"]).chrf_signature)
+        if cfg.baseline is None:
+            return
+        baseline = Path(cfg.baseline)
+        print(f"\npaired tests against baseline={baseline} (seed {cfg.seed}):")
+        for split in (s for s in cfg.splits if s != "val"):
+            base = hypotheses(baseline, split, cfg.decoding, lang)
+            for run in runs:
+                system = hypotheses(run, split, cfg.decoding, lang)
+                for result in compare(base, system, refs[split], seed=cfg.seed):
+                    print(f"  {split} {run}: {result.summary()}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
