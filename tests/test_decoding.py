@@ -117,6 +117,31 @@ def test_dropping_finished_sentences_from_the_batch_changes_no_result(monkeypatc
     assert pruned[1] == kept[1]
 
 
+class CountingSteps:
+    """A model whose decode calls are counted, with the rows each one decodes."""
+
+    def __init__(self, model):
+        self.model, self.cfg, self.rows = model, model.cfg, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def decode(self, tgt, *args, **kwargs):
+        self.rows.append(tgt.size(0))
+        return self.model.decode(tgt, *args, **kwargs)
+
+
+def test_greedy_stops_once_every_sentence_has_ended_and_batches_the_corpus():
+    """Greedy decoding takes as many steps as the longest output has tokens, plus its EOS, and a
+    corpus goes through in batches of many sentences, not one sentence at a time."""
+    model, sents = CountingSteps(accelerate(make_model(), RuntimeConfig())), sources(32)
+    out = greedy(model, batch(sents), BOS, EOS, DecodeConfig(max_len_b=50))
+    assert len(model.rows) == max(len(tokens) for tokens in out) + 1
+    model.rows.clear()
+    translate_ids(model, sents, IDS, DecodeConfig(strategy="greedy", max_len_b=50), "cpu")
+    assert model.rows[0] == len(sents) and len(model.rows) == max(len(tokens) for tokens in out) + 1
+
+
 def test_bf16_decoding_runs_the_products_in_bf16_and_scores_in_fp32():
     model, sents = make_model(), sources(6)
     dtypes = []

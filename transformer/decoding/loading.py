@@ -9,6 +9,7 @@ from ..checkpoint import direction, language_pair, load_model, same_direction
 from ..devices import pick_device
 from ..errors import ConfigError
 from ..fast import RuntimeConfig, accelerate
+from ..fast.int8 import available as int8_available
 from ..fast.int8 import quantize_int8
 from .models import Ensemble
 
@@ -27,6 +28,8 @@ def load_decoder(
     device = pick_device(device_name)
     if precision == "int8" and device.type != "cpu":
         raise ConfigError(f"decode.precision=int8 decodes on the CPU only, but device={device.type}")
+    if precision == "int8" and not int8_available():
+        raise ConfigError("decode.precision=int8 needs torch built with oneDNN's quantized linear; this torch has none")
     model, tokenizer, payload = load_model(Path(checkpoint), device)
     model = prepare(model, runtime, precision)
     if not ensemble:

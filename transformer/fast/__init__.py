@@ -3,7 +3,7 @@ transformer/attention.py, transformer/blocks.py) or of the training objective wi
 that computes the same thing, and is tested against it (tests/test_fast.py).
 
     linear.py     nn.Linear's forward on oneDNN for CPU fp32, weights packed for inference
-    int8.py       linear layers in int8 for CPU decoding (decode.precision=int8), by torch's quantized kernels
+    int8.py       linear layers in int8 for CPU decoding (decode.precision=int8), inputs quantized per row, on oneDNN
     attention.py  attention kernels, in-place caches, fp32 cross-attention cache, folded beams
     cache.py      key/value caches that grow in place and reorder only the rows that move
     dropout.py    dropout masks drawn cheaply on a CPU
