@@ -260,3 +260,40 @@ def test_an_existing_checkpoint_is_not_overwritten(marian, imported):
     result = run(["scripts/import_marian.py", f"path={marian[0]}", f"output={imported}"])
     assert result.returncode == 2 and "existing checkpoint" in result.stderr
     assert imported.read_bytes() == before
+
+
+def test_an_imported_model_finetunes_with_its_tokenizer(imported, shared_corpus, tmp_path):
+    """init_from= an imported checkpoint: a few steps on Multi30k (the logits bias trains through
+    the chunked loss), the run keeping Marian's tokenizer and vocabulary byte for byte."""
+    run_dir = tmp_path / "run"
+    result = run(["train.py", f"init_from={imported}", "experiment=smoke", f"data.dir={shared_corpus}",
+                  f"hydra.run.dir={run_dir}", "trainer.max_steps=4", "trainer.eval_every=4", "trainer.eval_bleu=false",
+                  "data.test_splits=[]", "trainer.freeze=[encoder]"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, tokenizer, payload = load_model(run_dir / "checkpoint_last.pt")
+    _, original, source = load_model(imported)
+    assert tokenizer.same_as(original) and tokenizer.vocabulary is not None
+    assert (run_dir / "spm.vocab.json").is_file() and (run_dir / "spm.src.model").is_file()
+    assert payload["step"] == 4
+    assert not torch.equal(payload["model"]["logits_bias"], source["model"]["logits_bias"])
+    assert (
+        json.loads((run_dir / "init_from.json").read_text())["imported_from"]["path"] == source["imported_from"]["path"]
+    )
+
+
+def test_an_imported_model_exports_to_ctranslate2_and_decodes_as_ours(imported, tmp_path):
+    """Its <pad> start token, SiLU, position table and logits bias carried over: greedy search
+    token for token (beam search is compared in test_export.py's marian_block)."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from transformer.decoding import translate_ids as our_ids
+    from transformer.export import translate_ids as ctranslate2_ids
+
+    result = run(["scripts/export_ctranslate2.py", f"checkpoint={imported}", f"output={tmp_path / 'ct2'}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert {"spm.model", "spm.src.model"} <= {p.name for p in (tmp_path / "ct2").iterdir()}
+    model, tokenizer, _ = load_model(imported)
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
+    sources = tokenizer.source.encode(multi30k("test_2016_flickr", "de", SENTENCES))
+    cfg = DecodeConfig(strategy="greedy", max_len_a=0.0, max_len_b=MAX_NEW)
+    ours = [hyps[0].tokens for hyps in our_ids(model, sources, tokenizer, cfg, "cpu")]
+    assert ours == ctranslate2_ids(translator, tokenizer, sources, cfg, model.cfg.max_positions)
