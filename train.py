@@ -27,7 +27,8 @@ def main(cfg: DictConfig) -> None:
             "config.yaml": OmegaConf.to_yaml(cfg),
             "overrides.yaml": OmegaConf.to_yaml(list(hydra_cfg.overrides.task)),
         }
-        run(config, Path(hydra_cfg.runtime.output_dir), record=record)
+        overrides = list(hydra_cfg.overrides.task)  # init_from refuses those that change its architecture
+        run(config, Path(hydra_cfg.runtime.output_dir), record=record, overrides=overrides)
 
 
 @contextmanager

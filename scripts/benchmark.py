@@ -139,7 +139,8 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
         amp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         weight = model.output_weight if chunked else None
         with torch.autocast(device, enabled=False):  # the trainer computes its loss outside autocast
-            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn)[0]
+            bias = model.logits_bias if chunked else None
+            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn, bias)[0]
 
     return model, loss
 

@@ -289,7 +289,7 @@ def ctranslate2_decoders(cfg: BenchConfig, model, tokenizer, sources, directory:
     if has_bf16:
         runs["ours bf16"] = partial(translate_ids, model, sources, tokenizer, dataclasses.replace(forced, precision="bf16"), "cpu")  # fmt: skip
     runs["ours int8"] = partial(translate_ids, int8, sources, tokenizer, dataclasses.replace(forced, precision="int8"), "cpu")  # fmt: skip
-    pieces = [[tokenizer.source.sp.id_to_piece(t) for t in s] for s in sources]
+    pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in sources]
     options = dict(beam_size=beams, max_decoding_length=cfg.new_tokens, min_decoding_length=cfg.new_tokens, length_penalty=0.0, max_batch_size=0)  # fmt: skip
     supported = ctranslate2.get_supported_compute_types("cpu")  # its CPU bfloat16 depends on the build and CPU
     for compute_type in [t for t in ("float32", "int8_float32", "bfloat16") if t in supported]:

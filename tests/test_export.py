@@ -26,6 +26,7 @@ KINDS = {
     "gelu": dict(activation="gelu"),
     "learned": dict(positional="learned"),
     "untied": dict(tie_output=False),
+    "marian_block": dict(activation="silu", sinusoidal_layout="halves", output_bias=True),
 }
 
 

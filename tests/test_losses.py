@@ -46,9 +46,10 @@ def test_projected_loss_passes_gradcheck(small_chunks):
     assert torch.autograd.gradcheck(lambda h, w: projected_cross_entropy(h, w, target, 0, 0.1), (hidden, weight))
 
 
-@pytest.mark.parametrize("tie_output", [True, False])
-def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks, tie_output):
-    """The tied embedding receives both its gradients, as embedding and as output projection."""
+@pytest.mark.parametrize("tie_output, output_bias", [(True, False), (False, False), (True, True)])
+def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks, tie_output, output_bias):
+    """The tied embedding receives both its gradients, as embedding and as output projection (and
+    a logits bias its own)."""
     cfg = ModelConfig(
         13,
         pad_id=0,
@@ -59,16 +60,19 @@ def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks
         d_ff=16,
         dropout=0.0,
         tie_output=tie_output,
+        output_bias=output_bias,
     )
     model = Transformer(cfg).double()
+    if output_bias:
+        torch.nn.init.normal_(model.logits_bias)
     _, _, target = padded_problem()
     src = torch.randint(1, 13, (3, 5))
     tgt_in = torch.cat([torch.full((3, 1), 1), target[:, :-1]], 1)
     grads = []
     for chunked in (True, False):
         out = model(src, tgt_in, project=not chunked)
-        weight = model.output_weight if chunked else None
-        loss, objective = training_objective(out, target, 0, 0.1, 0.0, weight, None)
+        weight, bias = (model.output_weight, model.logits_bias) if chunked else (None, None)
+        loss, objective = training_objective(out, target, 0, 0.1, 0.0, weight, None, bias=bias)
         objective.backward()
         grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         model.zero_grad()

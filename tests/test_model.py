@@ -61,6 +61,7 @@ VARIANTS = [
     {"activation": "gelu"},
     {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True},
     {"positional": "rope", "attention": AttentionConfig(kind="overlap", overlap=2)},
+    {"activation": "silu", "sinusoidal_layout": "halves", "output_bias": True},  # Marian's block (marian.py)
 ]
 
 

@@ -40,16 +40,22 @@ def word_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
 
 
 class SinusoidalPositions(nn.Module):
-    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), added to the embeddings."""
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), added to the embeddings.
 
-    def __init__(self, d_model: int, max_positions: int):
+    layout="halves" puts the same sines in the first d/2 features and the cosines in the last
+    d/2 (Marian's layout, which its trained models expect); "interleaved" is the paper's."""
+
+    def __init__(self, d_model: int, max_positions: int, layout: str = "interleaved"):
         super().__init__()
-        pos = torch.arange(max_positions, dtype=torch.float)[:, None]
-        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float) * (-math.log(10000.0) / d_model))
-        table = torch.zeros(max_positions, d_model)
-        table[:, 0::2] = torch.sin(pos * inv_freq)
-        table[:, 1::2] = torch.cos(pos * inv_freq)
-        self.register_buffer("table", table, persistent=False)
+        # In float64, then rounded: in float32 the angles of late positions lose digits (pos * inv_freq).
+        pos = torch.arange(max_positions, dtype=torch.float64)[:, None]
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+        sines, cosines = torch.sin(pos * inv_freq), torch.cos(pos * inv_freq)  # (max_positions, d_model / 2)
+        if layout == "halves":
+            table = torch.cat([sines, cosines], dim=1)
+        else:
+            table = torch.stack([sines, cosines], dim=2).flatten(1)  # sin, cos, sin, cos, ...
+        self.register_buffer("table", table.float(), persistent=False)
 
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         return x + self.table[offset : offset + x.size(1)].to(x.dtype)
@@ -77,22 +83,25 @@ class LearnedPositions(nn.Module):
 # --- Feed-forward network and Add & Norm ----------------------------------------------------------
 
 
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}  # silu(x) = x * sigmoid(x), "swish"
+
+
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately (GELU in
-    place of max(0, .) with activation="gelu")."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied at every position separately (GELU or
+    SiLU in place of max(0, .) with activation="gelu" or "silu")."""
 
     def __init__(self, d_model: int, d_ff: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
         self.linear1, self.linear2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(activation_dropout)
-        self.activation = "gelu" if activation == "gelu" else "relu"
+        self.activation = activation
         for linear in (self.linear1, self.linear2):
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.linear1(x)  # (batch, len, d_ff)
-        hidden = F.gelu(hidden) if self.activation == "gelu" else F.relu(hidden)
+        hidden = ACTIVATION_FUNCTIONS[self.activation](hidden)
         return self.linear2(self.dropout(hidden))
 
 

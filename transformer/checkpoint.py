@@ -15,7 +15,7 @@ import torch
 from .errors import CheckpointError, DataError
 from .files import atomic_open
 from .model import ModelConfig, Transformer
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, Vocabulary
 
 FORMAT_VERSION = 1
 
@@ -34,8 +34,10 @@ def save(
         "step": step,
         **extra,
     }
-    if tokenizer.source_bytes is not None:  # a separate source vocabulary
+    if tokenizer.source_bytes is not None:  # a separate source vocabulary (or SentencePiece model)
         payload["source_tokenizer"] = as_tensor(tokenizer.source_bytes)
+    if tokenizer.vocabulary is not None:  # ids of its own for the pieces (an imported model's)
+        payload["vocabulary"] = tokenizer.vocabulary.to_dict()
     write(path, payload)
 
 
@@ -48,7 +50,8 @@ def tokenizer_of(payload: dict, path: Path | None = None) -> Tokenizer:
     `path` (default: payload["path"], if set) names the checkpoint in errors."""
     source, name = payload.get("source_tokenizer"), path or payload.get("path", "the checkpoint")
     try:
-        return Tokenizer(as_bytes(payload["tokenizer"]), None if source is None else as_bytes(source))
+        vocabulary = Vocabulary.from_dict(payload["vocabulary"]) if "vocabulary" in payload else None
+        return Tokenizer(as_bytes(payload["tokenizer"]), None if source is None else as_bytes(source), vocabulary)
     except DataError as e:
         raise CheckpointError(f"{name}: its tokenizer is damaged ({e})") from None
 

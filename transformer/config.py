@@ -9,6 +9,7 @@ composes onto, so a key a YAML file leaves out can still be overridden by name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +32,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # speed paths: runtime=fast|reference
+    init_from: Optional[str] = None  # a checkpoint to fine-tune: its weights, architecture and tokenizer
 
 
 def register_schema() -> None:

@@ -2,8 +2,10 @@
 engine with int8 and bf16 CPU kernels, and decode with it under our decoding settings.
 
 `build_spec` describes the model with CTranslate2's model-spec API, layer by layer: the weights
-are ours, unchanged (our own sinusoidal table is exported as a position table, since CTranslate2's
-built-in one orders sines and cosines differently). `export` writes the directory that
+are ours, unchanged (our own sinusoidal table, in either layout, is exported as a position table,
+since CTranslate2's built-in one orders sines and cosines differently), the logits bias too.
+An imported Marian model keeps its `<pad>` token, which its decoder starts from (as in Hugging
+Face's MarianMT; CTranslate2's own Marian converter drops it and starts from a zero embedding). `export` writes the directory that
 `ctranslate2.Translator(DIR)` loads, with the SentencePiece model(s) and a usage note beside it.
 `translate_ids` decodes token ids with a loaded Translator under a DecodeConfig, with the settings
 that make CTranslate2 search as our decoding does (see `search_options`).
@@ -81,17 +83,23 @@ def build_spec(model: Transformer, tokenizer: Tokenizer):
 
 
 def activation(specs, name: str):
-    kinds = {"relu": specs.Activation.RELU, "gelu": specs.Activation.GELU, "swiglu": specs.Activation.SWISH}
-    return kinds[name]  # F.gelu is the exact (erf) GELU; SwiGLU gates with SiLU, CTranslate2's SWISH
+    kinds = {
+        "relu": specs.Activation.RELU,
+        "gelu": specs.Activation.GELU,
+        "silu": specs.Activation.SWISH,
+        "swiglu": specs.Activation.SWISH,
+    }
+    return kinds[name]  # F.gelu is the exact (erf) GELU; SiLU, and SwiGLU's gate, are CTranslate2's SWISH
 
 
 def pieces(tokenizer: Tokenizer) -> list[str]:
-    return [tokenizer.sp.id_to_piece(i) for i in range(len(tokenizer))]
+    return [tokenizer.id_to_piece(i) for i in range(len(tokenizer))]
 
 
 def set_config(config, model: Transformer, tokenizer: Tokenizer) -> None:
-    """Special tokens by name, the source's EOS (our encoder reads one), the norms' epsilon."""
-    piece = tokenizer.sp.id_to_piece
+    """Special tokens by name, the source's EOS (our encoder reads one), the norms' epsilon. The
+    decoder starts from our BOS (an imported Marian model's: its padding token)."""
+    piece = tokenizer.id_to_piece
     config.unk_token, config.bos_token, config.eos_token = piece(tokenizer.unk_id), piece(tokenizer.bos_id), piece(tokenizer.eos_id)  # fmt: skip
     config.decoder_start_token = piece(tokenizer.bos_id)
     config.add_source_eos = True
@@ -168,6 +176,8 @@ def fill_decoder(spec, model: Transformer) -> None:
     if model.cfg.norm_first:
         set_norm(spec.layer_norm, model.decoder_norm)
     spec.projection.weight = weight(model.output_weight)  # tied: the embedding matrix, unscaled
+    if model.logits_bias is not None:
+        spec.projection.bias = weight(model.logits_bias)
 
 
 # --- Writing the directory ----------------------------------------------------------------------
@@ -197,7 +207,7 @@ def export(model: Transformer, tokenizer: Tokenizer, output: Path, quantization:
     try:
         spec.save(str(tmp))
         (tmp / TARGET_MODEL).write_bytes(tokenizer.model_bytes)
-        if not tokenizer.joint:
+        if tokenizer.source_bytes is not None:  # a separate vocabulary, or an imported model's source model
             (tmp / SOURCE_MODEL).write_bytes(tokenizer.source_bytes)
         (tmp / "README.md").write_text(usage_note(tokenizer, quantization, note))
         replace_dir(tmp, output)
@@ -218,12 +228,13 @@ def replace_dir(new: Path, output: Path) -> None:
 
 
 def usage_note(tokenizer: Tokenizer, quantization: str, note: str) -> str:
-    source = TARGET_MODEL if tokenizer.joint else SOURCE_MODEL
+    source = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
+    pad, start = tokenizer.id_to_piece(tokenizer.pad_id), tokenizer.id_to_piece(tokenizer.bos_id)
     return f"""# A CTranslate2 model exported by scripts/export_ctranslate2.py
 
 {note}Weights: {quantization}. Source pieces come from `{source}`, target pieces decode with `{TARGET_MODEL}`;
 the source's end-of-sentence token is added by CTranslate2 (add_source_eos), and decoding starts
-from `<s>`.
+from `{start}`.
 
 ```python
 import ctranslate2, sentencepiece as spm
@@ -231,7 +242,7 @@ translator = ctranslate2.Translator("THIS_DIR", device="cpu", compute_type="defa
 src, tgt = spm.SentencePieceProcessor("THIS_DIR/{source}"), spm.SentencePieceProcessor("THIS_DIR/{TARGET_MODEL}")
 pieces = src.encode(["Ein Hund rennt."], out_type=str)
 results = translator.translate_batch(pieces, beam_size=5, max_decoding_length=64, min_decoding_length=0,
-                                     length_penalty=0, suppress_sequences=[["<pad>"]])
+                                     length_penalty=0, suppress_sequences=[["{pad}"]])
 print(tgt.decode(results[0].hypotheses[0]))
 ```
 
@@ -267,10 +278,10 @@ def translate_ids(translator, tokenizer: Tokenizer, sources: list[list[int]], cf
     sentences are grouped by their limit."""
     if cfg.strategy not in ("greedy", "beam"):
         raise ConfigError(f"decode.strategy={cfg.strategy} is not supported with CTranslate2 here (greedy, beam)")
-    options = search_options(cfg, tokenizer.sp.id_to_piece(tokenizer.pad_id))
+    options = search_options(cfg, tokenizer.id_to_piece(tokenizer.pad_id))
     lengths = torch.tensor([len(s) + 1 for s in sources])  # as decoding.search.max_lengths computes it
     limits = (lengths * cfg.max_len_a + cfg.max_len_b).long().clamp(min=2, max=max_positions - 1).tolist()
-    source_piece, target_id = tokenizer.source.sp.id_to_piece, tokenizer.sp.piece_to_id
+    source_piece, target_id = tokenizer.source.id_to_piece, tokenizer.piece_to_id
     out: list[list[int]] = [[] for _ in sources]
     for limit in sorted(set(limits)):
         group = [i for i, n in enumerate(limits) if n == limit]

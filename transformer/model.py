@@ -39,7 +39,8 @@ from .blocks import (
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+SINUSOIDAL_LAYOUTS = ("interleaved", "halves")
 
 
 @dataclass
@@ -61,10 +62,12 @@ class ModelConfig:
     bias: bool = True  # bias terms in the attention projections W_q, W_k, W_v, W_o
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm
     positional: str = "sinusoidal"  # or "learned", or "rope" (rotary, inside self-attention)
+    sinusoidal_layout: str = "interleaved"  # sines and cosines alternating (the paper), or "halves" (Marian)
     max_positions: int = 1024
     tie_output: bool = True  # output projection shares the embedding matrix
+    output_bias: bool = False  # a bias added to the logits (Marian's), trained with the rest
     norm: str = "layernorm"  # or "rmsnorm"
-    activation: str = "relu"  # or "gelu", or "swiglu" (gated; its hidden size is 2/3 d_ff, same parameters)
+    activation: str = "relu"  # or "gelu", "silu" (swish), or "swiglu" (gated; hidden size 2/3 d_ff, same parameters)
     attention: AttentionConfig = field(default_factory=AttentionConfig)  # the attention variant
 
     def __post_init__(self) -> None:
@@ -84,6 +87,8 @@ class ModelConfig:
             raise ValueError(f"model.norm={self.norm!r} is not one of {NORM_KINDS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"model.activation={self.activation!r} is not one of {ACTIVATIONS}")
+        if self.sinusoidal_layout not in SINUSOIDAL_LAYOUTS:
+            raise ValueError(f"model.sinusoidal_layout={self.sinusoidal_layout!r} is not one of {SINUSOIDAL_LAYOUTS}")
         self.attention.check(self.n_heads, self.d_model // self.n_heads)
         if self.positional == "rope" and self.head_size % 2:
             raise ValueError(f"model.positional=rope needs an even head size, got {self.head_size}")
@@ -240,7 +245,7 @@ class Transformer(nn.Module):
         elif cfg.positional == "learned":
             self.positions = LearnedPositions(cfg.d_model, cfg.max_positions)
         else:
-            self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
+            self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions, cfg.sinusoidal_layout)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, rotary) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.n_decoder_layers))
@@ -248,6 +253,7 @@ class Transformer(nn.Module):
         self.encoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.decoder_norm = make_norm(cfg.norm, cfg.d_model) if cfg.norm_first else nn.Identity()
         self.output = None if cfg.tie_output else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.logits_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if cfg.output_bias else None
         self.recompute = False  # set by the trainer (trainer.recompute): activation checkpointing per layer
 
     def run_layer(self, layer: nn.Module, *args):
@@ -308,7 +314,8 @@ class Transformer(nn.Module):
 
     def project(self, x: Tensor) -> Tensor:
         """(batch, len, d_model) -> logits (batch, len, vocab)"""
-        return F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
+        logits = F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
+        return logits if self.logits_bias is None else logits + self.logits_bias
 
     @property
     def output_weight(self) -> Tensor:

@@ -52,8 +52,8 @@ def attention_figures(model: Transformer, tokenizer, src_ids: list[int], tgt_ids
     tgt = torch.tensor([[tokenizer.bos_id] + tgt_ids], device=device)
     model.eval()
     weights = model.attention_weights(src, tgt)
-    src_tokens = [tokenizer.source.sp.id_to_piece(i) for i in src_ids] + ["</s>"]
-    tgt_tokens = ["<s>"] + [tokenizer.sp.id_to_piece(i) for i in tgt_ids]
+    src_tokens = [tokenizer.source.id_to_piece(i) for i in src_ids] + ["</s>"]
+    tgt_tokens = ["<s>"] + [tokenizer.id_to_piece(i) for i in tgt_ids]
     axes = {
         "encoder_self": (src_tokens, src_tokens),
         "decoder_self": (tgt_tokens, tgt_tokens),

@@ -90,6 +90,7 @@ def generate(
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (rows, vocab)
+        lprobs[:, model.cfg.pad_id] = -math.inf  # never generated (an imported Marian model starts from it)
         if step < cfg.min_len:
             lprobs[:, eos_id] = -math.inf
         lprobs = force_prefix(lprobs, prefix, step)

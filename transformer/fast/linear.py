@@ -50,12 +50,14 @@ def bound_primitive_caches() -> list[str]:
 TRANSPOSE_LIMIT = 2**23  # elements of dY (32 MB in fp32) above which dW = dY^T X goes to BLAS
 
 
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # those oneDNN can apply inside the product
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}  # those oneDNN can apply inside the product
+ONEDNN_NAMES = {"silu": "swish"}  # oneDNN's name where it differs from torch's
 
 
 def _product(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = None) -> Tensor:
     """activation(x W^T + b) by oneDNN; weight is (out, in), plain or reordered by PackedWeight."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, activation or "none", [], "none" if activation else "")
+    name = ONEDNN_NAMES.get(activation, activation) or "none"
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, name, [], "none" if activation else "")
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -145,8 +147,8 @@ def linear(
     onednn: bool = True,
 ) -> Tensor:
     """F.linear(x, weight, bias), on oneDNN for CPU fp32; `packed` caches the reordered weight
-    for inference, in bf16 too for inference under CPU bf16 autocast. `activation` ("relu" or
-    "gelu") is applied to the result: at inference on oneDNN inside the product, which saves a
+    for inference, in bf16 too for inference under CPU bf16 autocast. `activation` ("relu",
+    "gelu" or "silu") is applied to the result: at inference on oneDNN inside the product, which saves a
     pass over the output. onednn=False: F.linear and the activation, always."""
     if not (onednn and AVAILABLE):
         return _activate(F.linear(x, weight, bias), activation)

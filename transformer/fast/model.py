@@ -17,8 +17,8 @@ from .linear import Linear, PackedWeight, linear
 
 
 class FastTransformer(Transformer):
-    """Encoding in length groups at CPU inference, the tied output projection on oneDNN with its
-    weight packed for inference, and decoding states whose caches grow in place."""
+    """Encoding in length groups at CPU inference, the tied output projection (and its logits
+    bias, if any) on oneDNN with its weight packed for inference, and decoding states whose caches grow in place."""
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         if need_weights or torch.is_grad_enabled() or self.training or src.device.type != "cpu":
@@ -27,8 +27,8 @@ class FastTransformer(Transformer):
 
     def project(self, x: Tensor) -> Tensor:
         if self.output is not None:
-            return self.output(x)
-        return linear(x, self.embed.embed.weight, None, self.tied_packed, onednn=self.onednn)
+            return super().project(x)
+        return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=self.onednn)
 
     def new_state(self) -> FastDecoderState:
         return FastDecoderState()
@@ -46,7 +46,7 @@ class FastDecoderLayer(DecoderLayer):
 
 
 class FastFeedForward(FeedForward):
-    """The activation applied by oneDNN inside the first product (fast/linear.py); int8 linear
+    """The activation (ReLU, GELU or SiLU) applied by oneDNN inside the first product (fast/linear.py); int8 linear
     layers (fast/int8.py) take the reference path."""
 
     def forward(self, x: Tensor) -> Tensor:
@@ -73,7 +73,7 @@ class FastRotary(Rotary):
 
 
 def install(model: Transformer, onednn: bool = True) -> None:
-    """The fast classes for the model itself, its decoder layers, its ReLU/GELU networks (whose
+    """The fast classes for the model itself, its decoder layers, its ReLU/GELU/SiLU networks (whose
     linear layers must already be fast/linear.py's) and its rotary positions."""
     model.__class__ = FastTransformer
     model.tied_packed, model.onednn = PackedWeight(), onednn

@@ -76,7 +76,7 @@ class Translator:
         tgt = torch.tensor([[self.tokenizer.bos_id] + tgt_ids], device=self.device)  # row i predicts token i
         with self.lock:
             weights = self.first_model.attention_weights(src, tgt)["cross"][layer]  # (1, heads, tgt_len, src_len)
-        source_piece, target_piece = self.tokenizer.source.sp.id_to_piece, self.tokenizer.sp.id_to_piece
+        source_piece, target_piece = self.tokenizer.source.id_to_piece, self.tokenizer.id_to_piece
         return {
             "layer": layer % self.n_layers,
             "layers": self.n_layers,

@@ -10,6 +10,8 @@ from typing import Optional
 from ..devices import PRECISIONS
 from .schedule import SCHEDULES
 
+FREEZABLE = ("embeddings", "encoder", "decoder")  # the parts trainer.freeze may name
+
 
 @dataclass
 class TrainerConfig:
@@ -47,6 +49,9 @@ class TrainerConfig:
     rdrop: float = 0.0  # R-Drop: weight of the symmetric KL between two dropout passes of each batch; 0: off
     recompute: bool = False  # activation checkpointing: recompute each layer in backward, to save memory
     members: int = 1  # models trained at once (seeds seed..seed+N-1, cores/N threads each), then ensembled
+    freeze: list[str] = field(
+        default_factory=list
+    )  # parts not trained, of embeddings, encoder, decoder (e.g. when fine-tuning)
 
     def __post_init__(self) -> None:
         self.check_ranges()
@@ -60,6 +65,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"trainer.precision={self.precision!r} is not one of {PRECISIONS}")
+        unknown = [part for part in self.freeze if part not in FREEZABLE]
+        if unknown or len(set(self.freeze)) != len(self.freeze):
+            raise ValueError(f"trainer.freeze={list(self.freeze)} must name each of {FREEZABLE} at most once")
         if self.average_last > self.keep_last:
             raise ValueError(
                 f"trainer.average_last={self.average_last} needs trainer.keep_last >= it, not {self.keep_last}"

@@ -37,7 +37,7 @@ from ..fast import accelerate
 from ..files import write_texts
 from ..model import Transformer, count_parameters
 from ..tokenizer import Tokenizer
-from . import distributed
+from . import distributed, finetune
 from .resume import check_compatible, clear_run, make_deterministic, remove_unfinished, resume_path
 from .trainer import Trainer, to_plain
 
@@ -232,9 +232,11 @@ def prepare_in_world(
     if world.is_main:
         try:
             resumed = checkpoint_to_resume(cfg, run_dir)
-            saved_tokenizer = checkpoint.tokenizer_of(resumed) if resumed else tokenizer
+            init = finetune.load_init(cfg.init_from) if cfg.init_from and not resumed else None
+            saved = resumed or init  # the tokenizer of the run resumed, or of the checkpoint fine-tuned
+            saved_tokenizer = checkpoint.tokenizer_of(saved) if saved else tokenizer
             tokenizer, train, valid = prepare_data(cfg, saved_tokenizer)
-            start_run(cfg, run_dir, tokenizer, resumed["step"] if resumed else 0, record)
+            start_run(cfg, run_dir, tokenizer, resumed["step"] if resumed else 0, record, init)
         except USER_ERRORS as e:
             failure = e
     failed, resume_file = world.broadcast((failure is not None, resumed["path"] if resumed else None))
@@ -248,15 +250,20 @@ def prepare_in_world(
     return resumed, tokenizer, train, valid
 
 
-def start_run(cfg, run_dir: Path, tokenizer: Tokenizer, step: int, record: dict | None) -> None:
+def start_run(
+    cfg, run_dir: Path, tokenizer: Tokenizer, step: int, record: dict | None, init: dict | None = None
+) -> None:
     """The first change to the run directory: an earlier run cleared (trainer.overwrite), what a
-    killed one left after `step` removed, the tokenizer saved and `record` ({file name: text}, the
-    composed config) written under .hydra/."""
+    killed one left after `step` removed, the tokenizer saved, `record` ({file name: text}, the
+    composed config) written under .hydra/ and, for a fine-tuning run's start, the checkpoint it
+    starts from recorded in init_from.json."""
     if cfg.trainer.overwrite and not cfg.trainer.resume:
         clear_run(run_dir)
     remove_unfinished(run_dir, step)
     tokenizer.save(run_dir / "spm.model")
     write_texts(run_dir / ".hydra", record or {})
+    if init is not None:
+        finetune.record_origin(run_dir, init)
 
 
 def training_summary(trainer: Trainer, best: dict, run_dir: Path) -> dict:
@@ -306,6 +313,9 @@ def run_in_world(
     )
     resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer, record)
     model = accelerate(build_model(cfg, tokenizer, device), cfg.runtime)  # the speed paths, before any weights load
+    if cfg.init_from and not resumed:  # a fine-tuning run's start; every rank reads the weights
+        finetune.load_weights(model, finetune.load_init(cfg.init_from))
+    finetune.freeze(model, cfg.trainer.freeze)
     trainer = Trainer(cfg, run_dir, model, tokenizer, train, valid, world)
     if resumed:
         trainer.restore(resumed)

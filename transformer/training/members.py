@@ -117,7 +117,9 @@ def train_members(cfg, run_dir: Path) -> list[Path]:
     dirs = [run_dir / f"member{i}" for i in range(cfg.trainer.members)]
     processes = [
         context.Process(
-            target=train_member, args=(c, d, i, (tokenizer.model_bytes, tokenizer.source_bytes)), name=f"member{i}"
+            target=train_member,
+            args=(c, d, i, (tokenizer.model_bytes, tokenizer.source_bytes, tokenizer.vocabulary)),
+            name=f"member{i}",
         )
         for i, (c, d) in enumerate(zip(configs, dirs))
     ]

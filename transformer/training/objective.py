@@ -50,6 +50,7 @@ def training_objective(
     weight: Tensor | None,
     amp_dtype,
     onednn: bool = True,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed label-smoothed loss, what training differentiates) for one batch.
 
@@ -58,11 +59,12 @@ def training_objective(
     projects chunk by chunk; its products run in bf16 under bf16 autocast, and in the weight's
     dtype otherwise (fp16's range would underflow small gradients). With rdrop > 0, out holds the
     batch twice (two dropout draws) and the objective adds R-Drop's regularizer to the mean of
-    the two losses. onednn: whether the chunked loss's products may use oneDNN (runtime.onednn_linear).
+    the two losses. onednn: whether the chunked loss's products may use oneDNN (runtime.onednn_linear);
+    bias: the model's logits bias (model.output_bias), which the chunked loss adds with `weight`.
     """
     if weight is not None:
         dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 else None
-        loss = projected_cross_entropy(out, weight, target, pad_id, smoothing, dtype, onednn)
+        loss = projected_cross_entropy(out, weight, target, pad_id, smoothing, dtype, onednn, bias)
         return loss, loss
     if rdrop:
         first, second = out.chunk(2)

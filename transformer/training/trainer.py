@@ -165,9 +165,9 @@ class Trainer:
         chunked = self.chunked_loss and not self.tcfg.rdrop  # R-Drop's KL needs the logits
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             out = self.forward_model(src, tgt_in, project=not chunked)
-        weight = self.model.output_weight if chunked else None
+        weight, bias = (self.model.output_weight, self.model.logits_bias) if chunked else (None, None)
         loss, objective = training_objective(
-            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype, self.onednn
+            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype, self.onednn, bias
         )
         objective = objective * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
