@@ -33,9 +33,9 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from transformer.cli import parse_args
-from transformer.data import corpus_file, read_lines
+from transformer.data import DataConfig, corpus_file, read_lines
 from transformer.errors import ConfigError, exit_on_user_error
-from transformer.evaluation import score
+from transformer.evaluation import Scores, score
 from transformer.significance import compare
 
 COLUMNS = ("BLEU", "BLEU lc", "chrF")
@@ -62,23 +62,30 @@ def corpus(run: Path) -> tuple[Path, str]:
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: {run} is not a train.py run directory")
     data = OmegaConf.load(path).get("data", {})
-    return Path(data.get("dir", "data/multi30k")), str(data.get("tgt_lang"))
+    return Path(data.get("dir", DataConfig.dir)), str(data.get("tgt_lang"))
 
 
-def hypotheses(directory: Path, split: str, decoding: str, lang: str) -> list[str]:
+def hypotheses(directory: Path, split: str, decoding: str, lang: str, refs: list[str]) -> list[str]:
+    """A run's (or the baseline's) translations of split, one per reference."""
     path = directory / f"{split}.{decoding}.{lang}"
     if not path.is_file():
         hint = (
             f"; write it with: python evaluate.py checkpoint={directory}/checkpoint_best.pt split={split} output={path}"
         )
         raise ConfigError(f"{path} does not exist{hint if decoding == 'beam5' else ''}")
-    return read_lines(path)
+    lines = read_lines(path)
+    if len(lines) != len(refs):
+        raise ConfigError(f"{path} has {len(lines)} lines, its references {len(refs)}")
+    return lines
 
 
-def scores(hyps: list[str], refs: list[str], name: str) -> tuple[float, float, float]:
-    if len(hyps) != len(refs):
-        raise ConfigError(f"{name} has {len(hyps)} lines, its references {len(refs)}")
-    cased, lowercased = score(hyps, refs), score(hyps, refs, lowercase=True)
+def scores(hyps: list[str], refs: list[str]) -> tuple[Scores, Scores]:
+    """(cased, lowercased) sacreBLEU; chrF is the cased one's."""
+    return score(hyps, refs), score(hyps, refs, lowercase=True)
+
+
+def values(pair: tuple[Scores, Scores]) -> tuple[float, float, float]:
+    cased, lowercased = pair
     return cased.bleu, lowercased.bleu, cased.chrf
 
 
@@ -96,11 +103,13 @@ def main(argv: list[str]) -> None:
             raise ConfigError(f"the runs were trained on different corpora or targets: {sorted(map(str, corpora))}")
         data_dir, lang = corpora.pop()
         refs = {split: read_lines(corpus_file(data_dir, split, lang)) for split in cfg.splits}
-        table = {
-            (run, split): scores(hypotheses(run, split, cfg.decoding, lang), refs[split], f"{run}/{split}")
+        texts = {
+            (run, split): hypotheses(run, split, cfg.decoding, lang, refs[split])
             for run in runs
             for split in cfg.splits
         }
+        scored = {key: scores(hyps, refs[key[1]]) for key, hyps in texts.items()}
+        table = {key: values(pair) for key, pair in scored.items()}
         header = " | ".join(f"{split} {c}" for split in cfg.splits for c in COLUMNS)
         print(f"{cfg.decoding}, sacreBLEU: BLEU cased, BLEU lowercased (-lc), chrF\n")
         print(f"| run | {header} |")
@@ -112,17 +121,16 @@ def main(argv: list[str]) -> None:
             mean_sd([table[run, split][i] for run in runs]) for split in cfg.splits for i in range(len(COLUMNS))
         )
         print(f"| mean ± sd over {len(runs)} | {means} |")
-        print(f"\n{score(['a'], ['a']).bleu_signature}\n{score(['a'], ['a'], lowercase=True).bleu_signature}")
-        print(score(["a"], ["a"]).chrf_signature)
+        cased, lowercased = next(iter(scored.values()))
+        print(f"\n{cased.bleu_signature}\n{lowercased.bleu_signature}\n{cased.chrf_signature}")
         if cfg.baseline is None:
             return
         baseline = Path(cfg.baseline)
         print(f"\npaired tests against baseline={baseline} (seed {cfg.seed}):")
         for split in (s for s in cfg.splits if s != "val"):
-            base = hypotheses(baseline, split, cfg.decoding, lang)
+            base = hypotheses(baseline, split, cfg.decoding, lang, refs[split])
             for run in runs:
-                system = hypotheses(run, split, cfg.decoding, lang)
-                for result in compare(base, system, refs[split], seed=cfg.seed):
+                for result in compare(base, texts[run, split], refs[split], seed=cfg.seed):
                     print(f"  {split} {run}: {result.summary()}")
 
 

@@ -106,3 +106,14 @@ def test_seed_table_names_the_missing_hypotheses_and_how_to_write_them(tmp_path,
     assert run_main("scripts/seed_table.py", [f"runs=[{run}]", "splits=[val]"], b"", monkeypatch) == 2
     err = capsys.readouterr().err
     assert f"{run}/val.beam5.en does not exist; write it with: python evaluate.py checkpoint={run}/checkpoint_best.pt split=val" in err  # fmt: skip
+
+
+def test_seed_table_refuses_a_baseline_with_other_line_counts(tmp_path, monkeypatch, capsys):
+    from .test_bad_inputs import run_main
+
+    refs = [line.strip() for line in gzip.open(DATA / "test_2016_flickr.en.gz", "rt", encoding="utf-8")]
+    run = fake_run(tmp_path / "run", {"test_2016_flickr": refs})
+    short = fake_run(tmp_path / "short", {"test_2016_flickr": refs[:10]})
+    args = [f"runs=[{run}]", "splits=[test_2016_flickr]", f"baseline={short}"]
+    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 2
+    assert f"{short}/test_2016_flickr.beam5.en has 10 lines, its references {len(refs)}" in capsys.readouterr().err
