@@ -5,6 +5,7 @@
     python scripts/benchmark.py presets=[small] threads=1 max_tokens=2048   # as one of two trainer.members
     python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
     python scripts/benchmark.py presets=[small_modern] implementations=[ours,ours-blas,ours-onednn] isa=avx2
+    python scripts/benchmark.py presets=[small_modern] implementations=[ours,ours-spin-default] busy=1 rounds=3
 
 Presets: small (3+3 layers, d_model 256), base (6+6, 512), and small_modern, the default recipe's
 model (small with model/small_modern's block: measured for ours only, the peers lack that block).
@@ -21,6 +22,9 @@ At equal model size (vocabulary 8000, shared embeddings) and on the same real Mu
   ours-logits   ours with runtime.chunked_loss=false: full (tokens, vocab) logits and torch's
                 cross-entropy, as in torch and hf-marian, not the chunked loss (on request)
   ours-reference  the reference model without any speed path (runtime=reference; on request)
+  ours-spin-default  ours with GNU OpenMP's own spin before idle threads sleep, not the shorter
+                one the package sets (transformer/openmp.py); the peers run with OpenMP's default
+                too. Compare them with busy=1 (on request)
   ours-foreach  ours with torch's default (foreach) Adam instead of the fused one that the trainer
                 and every other implementation here use (on request)
 Each (implementation, preset, precision) runs in its own process, so its peak memory (max RSS
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -50,6 +55,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from transformer import openmp
 from transformer.benchmarking import ISA_LIMITS, hardware, limit_isa, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
@@ -83,13 +89,14 @@ class BenchConfig:
     isa: Optional[str] = (
         None  # avx2: measure with oneDNN, ATen and MKL kept to AVX2, as on a CPU without AVX-512 (no bf16)
     )
+    busy: int = 0  # other processes that keep a core busy during every measurement, as on a loaded machine
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
     batches: Optional[str] = None  # internal: the file of batches the measurement processes share
 
     def __post_init__(self) -> None:
         if self.isa is not None and self.isa not in ISA_LIMITS:
             raise ValueError(f"isa={self.isa!r} is not one of {tuple(ISA_LIMITS)} (or null)")
-        for key, low in (("steps", 1), ("rounds", 1), ("max_tokens", 1), ("threads", 0)):
+        for key, low in (("steps", 1), ("rounds", 1), ("max_tokens", 1), ("threads", 0), ("busy", 0)):
             if getattr(self, key) < low:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
 
@@ -206,6 +213,7 @@ BUILDERS = {
     "ours-logits": partial(build_ours, chunked_loss=False),
     "ours-reference": partial(build_ours, fast=False),
     "ours-foreach": build_ours,  # the optimizer differs: measure_one
+    "ours-spin-default": build_ours,  # the environment differs: child_environment
     "torch": build_torch,
     "hf-marian": build_hf,
 }
@@ -277,9 +285,24 @@ def measure_one(cfg: BenchConfig, impl: str, preset: str, precision: str) -> dic
 
 def child_environment(impl: str) -> dict:
     """The environment of a measurement's process: this one's. Ours bounds oneDNN's primitive
-    caches where its speed paths are installed (transformer/fast/linear.py); the peers run with
-    oneDNN's defaults, as their users have them."""
-    return dict(os.environ)
+    caches where its speed paths are installed (transformer/fast/linear.py) and shortens OpenMP's
+    spin (transformer/openmp.py); the peers and ours-spin-default run with OpenMP's and oneDNN's
+    defaults, as their users have them."""
+    if impl.startswith("ours") and impl != "ours-spin-default":
+        return dict(os.environ)
+    return openmp.without_default(os.environ)
+
+
+@contextmanager
+def busy_cores(n: int):
+    """n other processes, each keeping one core busy, for as long as the block runs."""
+    others = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for process in others:
+            process.kill()
+            process.wait()
 
 
 def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> dict | None:
@@ -325,7 +348,7 @@ def available(impl: str) -> bool:
 
 def print_table(rows: list[dict], peaks: dict) -> None:
     print(
-        f"{'preset':<13}{'precision':<10}{'implementation':<15}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}{'Adam ms':>9}"
+        f"{'preset':<13}{'precision':<10}{'implementation':<18}{'params':>11}{'tok/s':>9}{'vs torch':>9}{'vs hf fp32':>11}{'of peak':>9}{'peak MB':>9}{'Adam ms':>9}"
     )
     for row in rows:
         same = {
@@ -344,8 +367,19 @@ def print_table(rows: list[dict], peaks: dict) -> None:
         row.update(vs_torch=vs_torch, vs_hf_fp32=vs_hf, fraction_of_peak=row["model_gflops"] / peaks[row["precision"]])
         memory = row.get("peak_gpu_mb", row["peak_rss_mb"])  # a GPU's memory where there is one
         adam = "-" if row.get("adam_ms") is None else f"{row['adam_ms']:.1f}"
-        print(f"{row['preset']:<13}{row['precision']:<10}{row['implementation']:<15}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
+        print(f"{row['preset']:<13}{row['precision']:<10}{row['implementation']:<18}{row['parameters']:>11,}{row['tokens_per_s']:>9.0f}"
               f"{ratio(vs_torch):>9}{ratio(vs_hf):>11}{row['fraction_of_peak']:>8.0%}{memory:>9.0f}{adam:>9}")  # fmt: skip
+
+
+def print_against_ours(rows: list[dict]) -> None:
+    """Each variant of ours (ours-*) against ours, at the same preset and precision: ours' tokens/s
+    over the variant's (above 1: ours is faster)."""
+    ours = {(r["preset"], r["precision"]): r for r in rows if r["implementation"] == "ours"}
+    for row in rows:
+        base = ours.get((row["preset"], row["precision"]))
+        if base and row["implementation"].startswith("ours-"):
+            speedup = base["tokens_per_s"] / row["tokens_per_s"]
+            print(f"{row['preset']} {row['precision']}: ours over {row['implementation']} {speedup:.2f}x")
 
 
 def ratio(value: float | None) -> str:
@@ -373,29 +407,34 @@ def main(argv: list[str]) -> None:
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     peaks = {p: matmul_peak(dtypes[p], device) for p in precisions}
+    info["busy_processes"] = cfg.busy
     print(json.dumps(info))
     peak_text = ", ".join(f"{p} {peaks[p]:.0f} GFLOP/s" for p in precisions)
     print(f"device {device.type}; dense matmul peak: {peak_text}; bf16 autocast measured: {has_bf16}")
+    if cfg.busy:
+        print(f"{cfg.busy} other process(es) keep a core busy during every measurement (not the peak's)")
     runs: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not cfg.batches:  # built once, read by every measurement
             cfg.batches = str(Path(tmp) / "batches.pt")
             with exit_on_user_error():
                 torch.save(real_batches(cfg, cfg.steps + 2), cfg.batches)
-        for round_ in range(cfg.rounds):
-            if round_:
-                peaks = {p: max(peaks[p], matmul_peak(dtypes[p], device)) for p in precisions}
-            for preset in cfg.presets:
-                for precision in precisions:
-                    for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
-                        if preset in BLOCKS and not impl.startswith("ours"):
-                            continue
-                        row = run_isolated(impl, preset, precision, cfg)
-                        if row:
-                            runs.setdefault((preset, precision, impl), []).append(row)
-                            print(f"  {preset} {precision} {impl}: {row['tokens_per_s']:.0f} tok/s", flush=True)
+        with busy_cores(cfg.busy):  # after the batches are built
+            for round_ in range(cfg.rounds):
+                if round_:
+                    peaks = {p: max(peaks[p], matmul_peak(dtypes[p], device)) for p in precisions}
+                for preset in cfg.presets:
+                    for precision in precisions:
+                        for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
+                            if preset in BLOCKS and not impl.startswith("ours"):
+                                continue
+                            row = run_isolated(impl, preset, precision, cfg)
+                            if row:
+                                runs.setdefault((preset, precision, impl), []).append(row)
+                                print(f"  {preset} {precision} {impl}: {row['tokens_per_s']:.0f} tok/s", flush=True)
     rows = [median_row(r) for r in runs.values()]
     print_table(rows, peaks)
+    print_against_ours(rows)
     if cfg.rounds > 1:
         for row in rows:
             spread = row["tokens_per_s_runs"]

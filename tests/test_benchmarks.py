@@ -12,11 +12,12 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     out = tmp_path / "bench.json"
     args = [
         "presets=[small]",
-        "implementations=[ours,ours-blas,ours-logits,ours-foreach,torch]",
+        "implementations=[ours,ours-blas,ours-logits,ours-foreach,ours-spin-default,torch]",
         "precisions=[fp32]",
         "threads=1",
         "steps=1",
         "rounds=2",
+        "busy=1",
         "max_tokens=512",  # small batches: the test checks what is measured and reported, not the speed
         f"output={out}",
     ]
@@ -26,15 +27,32 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
     rows = {r["implementation"]: r for r in report["rows"]}
-    assert set(rows) == {"ours", "ours-blas", "ours-logits", "ours-foreach", "torch"}
-    assert len({rows[name]["parameters"] for name in ("ours", "ours-blas", "ours-logits", "ours-foreach")}) == 1
+    assert set(rows) == {"ours", "ours-blas", "ours-logits", "ours-foreach", "ours-spin-default", "torch"}
+    assert len({rows[name]["parameters"] for name in rows if name.startswith("ours")}) == 1
     assert (
         abs(rows["ours"]["parameters"] - rows["torch"]["parameters"]) / rows["torch"]["parameters"] < 0.01
     )  # same size
     assert all(r["tokens_per_s"] > 0 and r["peak_rss_mb"] > 0 and r["adam_ms"] > 0 for r in rows.values())
     assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())  # one measurement per round
     assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
-    assert report["hardware"]["threads"] == 1
+    assert report["hardware"]["threads"] == 1 and report["hardware"]["busy_processes"] == 1
+    assert "small fp32: ours over ours-spin-default" in result.stdout
+
+
+def test_only_ours_runs_with_the_packages_openmp_spin(monkeypatch):
+    import importlib.util
+
+    from transformer import openmp
+
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look their module up there
+    spec.loader.exec_module(benchmark)
+    monkeypatch.setattr(openmp, "applied", True)
+    monkeypatch.setenv("GOMP_SPINCOUNT", openmp.SPIN_COUNT)
+    assert benchmark.child_environment("ours")["GOMP_SPINCOUNT"] == openmp.SPIN_COUNT
+    for impl in ("ours-spin-default", "torch", "hf-marian"):
+        assert "GOMP_SPINCOUNT" not in benchmark.child_environment(impl)
 
 
 def test_training_benchmark_refuses_compiling_without_the_cpp_compiler_before_measuring(tmp_path):
