@@ -208,6 +208,14 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy():
     assert [h.tokens for h in picks] == greedy(model, src, BOS, EOS, top1)
 
 
+def test_the_greedy_choice_is_argmax_with_ties_going_to_the_first_token():
+    g = torch.Generator().manual_seed(0)
+    lprobs = torch.randint(-3, 1, (64, 8000), generator=g).float()  # many tied maxima per row
+    lprobs[5] = -torch.inf
+    lprobs[6, 7999] = torch.inf
+    assert torch.equal(search_module.argmax(lprobs), lprobs.argmax(-1))
+
+
 def test_ensemble_of_one_model_twice_decodes_like_the_model():
     model, src = make_model(), batch(sources(8))
     cfg = DecodeConfig(beam_size=4)
