@@ -42,6 +42,12 @@ def test_default_is_the_multi30k_de_en_recipe():
     assert cfg.data.dir == "data/multi30k" and cfg.trainer.max_minutes > 0
 
 
+def test_a_model_chosen_beside_the_recipe_keeps_its_own_dropout():
+    assert to_config(compose_config([])).model.dropout == 0.2  # the recipe's model, small_modern
+    assert to_config(compose_config(["experiment=multi30k_en_de"])).model.dropout == 0.2
+    assert to_config(compose_config(["model=small"])).model.dropout == 0.3
+
+
 def test_base_preset_is_the_paper_base_model():
     m = to_config(compose_config(["model=base"])).model
     assert (m.n_encoder_layers, m.n_decoder_layers, m.d_model, m.n_heads, m.d_ff, m.dropout) == (
