@@ -46,7 +46,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer import openmp
-from transformer.benchmarking import ISA_LIMITS, hardware, limit_isa, marian_model, matmul_peak, our_model
+from transformer.benchmarking import ISA_LIMITS, busy_cores, hardware, limit_isa, marian_model, matmul_peak, our_model
 from transformer.cli import parse_args
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
 from transformer.errors import ConfigError, exit_on_user_error
@@ -291,18 +290,6 @@ def child_environment(impl: str) -> dict:
     if impl.startswith("ours") and impl != "ours-spin-default":
         return dict(os.environ)
     return openmp.without_default(os.environ)
-
-
-@contextmanager
-def busy_cores(n: int):
-    """n other processes, each keeping one core busy, for as long as the block runs."""
-    others = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for process in others:
-            process.kill()
-            process.wait()
 
 
 def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> dict | None:

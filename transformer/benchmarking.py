@@ -1,11 +1,14 @@
-"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, and timing."""
+"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, timing, and
+other processes that keep cores busy."""
 
 from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -116,3 +119,16 @@ def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, d
         activation_function="relu", dropout=dropout, scale_embedding=True, share_encoder_decoder_embeddings=True,
     )  # fmt: skip
     return MarianMTModel(config)
+
+
+@contextmanager
+def busy_cores(n: int):
+    """n other processes, each keeping one core busy, for as long as the block runs (a machine
+    that is doing other work)."""
+    others = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for process in others:
+            process.kill()
+            process.wait()
