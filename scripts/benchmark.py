@@ -39,6 +39,7 @@ same run, peak memory, and on CPU the milliseconds per step of the Adam update (
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import resource
@@ -374,6 +375,28 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure_rounds(cfg: BenchConfig, impls: list[str], precisions: list[str], peaks: dict, device) -> dict:
+    """Every implementation's runs, one per round, each in a process of its own: {(preset,
+    precision, implementation): [row, ...]}. Who goes first alternates between rounds, and each
+    round after the first measures the matmul peak again, keeping the highest in `peaks`."""
+    runs: dict[tuple, list[dict]] = {}
+    for round_ in range(cfg.rounds):
+        if round_:
+            peaks.update({p: max(peaks[p], matmul_peak(DTYPES[p], device)) for p in precisions})
+        order = impls if round_ % 2 == 0 else impls[::-1]
+        for preset, precision, impl in itertools.product(cfg.presets, precisions, order):
+            if preset in BLOCKS and not impl.startswith("ours"):
+                continue
+            row = run_isolated(impl, preset, precision, cfg)
+            if row:
+                runs.setdefault((preset, precision, impl), []).append(row)
+                print(f"  {preset} {precision} {impl}: {row['tokens_per_s']:.0f} tok/s", flush=True)
+    return runs
+
+
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, BenchConfig, __doc__)
@@ -392,33 +415,20 @@ def main(argv: list[str]) -> None:
     info = hardware()
     has_bf16 = device.type == "cuda" or (cpu_has_bf16_matmul() and cfg.isa is None)
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    peaks = {p: matmul_peak(dtypes[p], device) for p in precisions}
+    peaks = {p: matmul_peak(DTYPES[p], device) for p in precisions}
     info["busy_processes"] = cfg.busy
     print(json.dumps(info))
     peak_text = ", ".join(f"{p} {peaks[p]:.0f} GFLOP/s" for p in precisions)
     print(f"device {device.type}; dense matmul peak: {peak_text}; bf16 autocast measured: {has_bf16}")
     if cfg.busy:
         print(f"{cfg.busy} other process(es) keep a core busy during every measurement (not the peak's)")
-    runs: dict[tuple, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not cfg.batches:  # built once, read by every measurement
             cfg.batches = str(Path(tmp) / "batches.pt")
             with exit_on_user_error():
                 torch.save(real_batches(cfg, cfg.steps + 2), cfg.batches)
         with busy_cores(cfg.busy):  # after the batches are built
-            for round_ in range(cfg.rounds):
-                if round_:
-                    peaks = {p: max(peaks[p], matmul_peak(dtypes[p], device)) for p in precisions}
-                for preset in cfg.presets:
-                    for precision in precisions:
-                        for impl in impls if round_ % 2 == 0 else impls[::-1]:  # alternate who goes first
-                            if preset in BLOCKS and not impl.startswith("ours"):
-                                continue
-                            row = run_isolated(impl, preset, precision, cfg)
-                            if row:
-                                runs.setdefault((preset, precision, impl), []).append(row)
-                                print(f"  {preset} {precision} {impl}: {row['tokens_per_s']:.0f} tok/s", flush=True)
+            runs = measure_rounds(cfg, impls, precisions, peaks, device)
     rows = [median_row(r) for r in runs.values()]
     print_table(rows, peaks)
     print_against_ours(rows)

@@ -205,27 +205,10 @@ def print_peer_rows(rows: list[dict]) -> None:
         print(f"{r['preset']:<7}{r['strategy']:<9}{r['precision']:<10}{r['decoder']:<24}{r['sentences_per_s']:>9.1f}{r['tokens_per_s']:>9.0f}{ratio:>8}{ratio32:>11}  {r['generated_lengths']}")  # fmt: skip
 
 
-def main(argv: list[str]) -> None:
-    with exit_on_user_error():
-        cfg = parse_args(argv, BenchConfig, __doc__)
-        if cfg.output:  # checked now, not after the measurements
-            check_output(cfg.output, [cfg.checkpoint])
-        limit_isa(cfg.isa, __file__, argv)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        device = pick_device(cfg.device)
-        model, tokenizer, model_name = model_and_tokenizer(cfg, device)
-    test = load_split(DataConfig(dir=cfg.data_dir), "test_2016_flickr")
-    sources = tokenizer.source.encode(list(test["src"])[: cfg.sentences])
-    results = {
-        "hardware": hardware(),
-        "model": model_name,
-        "parameters": count_parameters(model),
-        "sentences": len(sources),
-        "rows": [],
-    }
-    print(json.dumps(results["hardware"]))
-    print(f"model: {model_name}, {results['parameters']:,} parameters; {len(sources)} test_2016_flickr sentences")
+def measure_cache(cfg: BenchConfig, model, sources, tokenizer, device, results: dict) -> None:
+    """Greedy and beam search with the incremental cache and without it (every step re-runs the
+    decoder over the whole prefix): a row per strategy and decoder in results["rows"], and per
+    strategy whether both gave the same tokens and the cache's speed-up."""
     print(f"{'strategy':<10}{'decoder':<10}{'sent/s':>10}{'tok/s':>10}{'seconds':>10}{'speed-up':>10}")
     for strategy in ("greedy", "beam"):
         decode_cfg = dataclasses.replace(DecodeConfig(), strategy=strategy, beam_size=cfg.beam_size)
@@ -251,6 +234,30 @@ def main(argv: list[str]) -> None:
         results[f"{label}_same_tokens"] = cached == uncached
         results[f"{label}_speedup"] = uncached_s / cached_s
         print(f"{label}: cached and uncached give the same tokens: {cached == uncached}")
+
+
+def main(argv: list[str]) -> None:
+    with exit_on_user_error():
+        cfg = parse_args(argv, BenchConfig, __doc__)
+        if cfg.output:  # checked now, not after the measurements
+            check_output(cfg.output, [cfg.checkpoint])
+        limit_isa(cfg.isa, __file__, argv)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        device = pick_device(cfg.device)
+        model, tokenizer, model_name = model_and_tokenizer(cfg, device)
+    test = load_split(DataConfig(dir=cfg.data_dir), "test_2016_flickr")
+    sources = tokenizer.source.encode(list(test["src"])[: cfg.sentences])
+    results = {
+        "hardware": hardware(),
+        "model": model_name,
+        "parameters": count_parameters(model),
+        "sentences": len(sources),
+        "rows": [],
+    }
+    print(json.dumps(results["hardware"]))
+    print(f"model: {model_name}, {results['parameters']:,} parameters; {len(sources)} test_2016_flickr sentences")
+    measure_cache(cfg, model, sources, tokenizer, device, results)
     if cfg.peers:
         try:
             import transformers  # noqa: F401
