@@ -68,8 +68,9 @@ def output_paths(cfg: HeadsConfig, data) -> tuple[Path, Path]:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, HeadsConfig, __doc__)
+        from transformer.batching import tokenize
         from transformer.checkpoint import load_model
-        from transformer.data import load_split, tokenize
+        from transformer.data import load_split
         from transformer.heads import head_confidence, head_importance, masked_bleu, prune_least_important
         from transformer.plotting import head_heatmap, plt
 

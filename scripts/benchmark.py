@@ -108,7 +108,8 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
     """(src, tgt_in, tgt_out, non-padding tokens) of the first n shuffled Multi30k training batches."""
     import numpy as np
 
-    from transformer.data import DataConfig, collate, load_split, token_batches, tokenize
+    from transformer.batching import collate, token_batches, tokenize
+    from transformer.data import DataConfig, load_split
     from transformer.tokenizer import Tokenizer
 
     ds = load_split(DataConfig(dir=cfg.data_dir), "train")

@@ -7,7 +7,7 @@ import gzip
 import torch
 import torch.nn.functional as F
 
-from transformer.data import pad
+from transformer.batching import pad
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer import checkpoint
-from transformer.data import pad
+from transformer.batching import pad
 from transformer.decoding import (
     STRATEGIES,
     DecodeConfig,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from transformer import checkpoint
-from transformer.data import pad
+from transformer.batching import pad
 from transformer.decoding import DecodeConfig, load_decoder, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast import RuntimeConfig

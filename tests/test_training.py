@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from transformer.batching import collate, tokenize
 from transformer.config import Config, ConfigError
-from transformer.data import DataConfig, collate, tokenize
+from transformer.data import DataConfig
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul, require_cpp_compiler
 from transformer.fast import RuntimeConfig, accelerate

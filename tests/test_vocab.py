@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from transformer.batching import SubwordSampler, tokenize
 from transformer.checkpoint import load_model
-from transformer.data import DataConfig, SubwordSampler, load_split, tokenize
+from transformer.data import DataConfig, load_split
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
 

@@ -17,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 from .files import atomic_write_text
 
 if TYPE_CHECKING:
-    from .data import Batch
+    from .batching import Batch
 
 
 def progress_bar(total: int, desc: str, unit: str = "sent", initial: int = 0):

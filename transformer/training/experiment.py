@@ -17,18 +17,8 @@ import numpy as np
 import torch
 
 from .. import checkpoint
-from ..data import (
-    TokenizedCorpus,
-    clean_training_pairs,
-    corpus_file,
-    filter_long,
-    load_split,
-    primary_rows,
-    tokenize,
-    tokenize_mapped,
-    training_text,
-    write_lines,
-)
+from ..batching import TokenizedCorpus, filter_long, tokenize, tokenize_mapped
+from ..data import clean_training_pairs, corpus_file, load_split, primary_rows, training_text, write_lines
 from ..decoding import translate_corpus
 from ..devices import autocast_dtype, pick_device
 from ..errors import USER_ERRORS, CheckpointError, DataError

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ..data import clean_training_pairs, load_split, tokenize
+from ..batching import tokenize
+from ..data import clean_training_pairs, load_split
 from ..decoding import load_decoder, translate_corpus
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..evaluation import score

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .. import checkpoint
-from ..data import Batch, TokenizedCorpus
+from ..batching import Batch, TokenizedCorpus
 from ..devices import autocast_dtype
 from ..errors import TrainingStopped
 from ..fast.linear import refresh_packed_weights_after

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import TokenizedCorpus, collate, token_batches
+from ..batching import TokenizedCorpus, collate, token_batches
 from ..decoding import DecodeConfig, translate_ids
 from ..evaluation import score
 from ..monitoring import progress_bar
