@@ -13,7 +13,9 @@ import torch
 
 from transformer import checkpoint
 from transformer.config import Config
+from transformer.data import corpus_file, read_lines
 from transformer.errors import ConfigError
+from transformer.evaluation import score
 from transformer.training import run
 from transformer.training.config import TrainerConfig
 from transformer.training.members import candidates, member_configs
@@ -46,6 +48,10 @@ def test_members_train_at_once_and_validation_chooses_their_ensemble(tmp_path, t
     assert ensembles[results["chosen"]]["valid_bleu"] == results["valid_best"]
     assert set(results["test"]) == {"test_2016_flickr/greedy", "test_2016_flickr/beam2"}
     assert len((run_dir / "test_2016_flickr.ensemble.beam2.en").read_text().splitlines()) == 40
+    valid_hyps = read_lines(run_dir / "val.ensemble.beam2.en")  # the chosen ensemble's, as scored
+    assert score(valid_hyps, read_lines(corpus_file(tiny_corpus, "val", "en"))).bleu == pytest.approx(
+        results["valid_best"]
+    )
 
     payloads = [checkpoint.load(run_dir / f"member{i}" / "checkpoint_best.pt") for i in (0, 1)]
     vocabulary = (run_dir / "spm.model").read_bytes()

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..batching import tokenize
-from ..data import clean_training_pairs, load_split
+from ..data import clean_training_pairs, load_split, write_lines
 from ..decoding import load_decoder, translate_corpus
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..evaluation import score
@@ -165,20 +165,23 @@ def load_ensemble(paths: list[Path], device_name: str, runtime: RuntimeConfig):
     return device, model, tokenizer
 
 
-def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tuple[str, dict]:
-    """(the name of the ensemble with the highest validation BLEU, every option's score)."""
-    scores, corpus = {}, None
+def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tuple[str, dict, list[str]]:
+    """(the name of the ensemble with the highest validation BLEU, every option's score, the
+    chosen ensemble's translations of the validation split)."""
+    scores, translations, corpus = {}, {}, None
     for name, paths in options.items():
         started = time.monotonic()
         device, model, tokenizer = load_ensemble(paths, cfg.trainer.device, cfg.runtime)
         if corpus is None:  # every option holds the same members, so one tokenizer
             corpus = tokenize(valid_split, tokenizer)
-        scores[name] = score(translate_corpus(model, corpus, tokenizer, cfg.decode, device), corpus.tgt_text).bleu
+        translations[name] = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
+        scores[name] = score(translations[name], corpus.tgt_text).bleu
         report(
             f"ensemble {name} ({len(paths)} checkpoints): validation BLEU {scores[name]:.2f} "
             f"({cfg.decode.label}, {time.monotonic() - started:.0f}s)"
         )
-    return max(scores, key=scores.get), scores  # the first listed wins a tie: the fewest checkpoints
+    chosen = max(scores, key=scores.get)  # the first listed wins a tie: the fewest checkpoints
+    return chosen, scores, translations[chosen]
 
 
 def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
@@ -191,7 +194,9 @@ def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     write_texts(run_dir / ".hydra", record or {})
     dirs = train_members(cfg, run_dir)
     options = candidates(dirs)
-    chosen, valid_scores = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))
+    chosen, valid_scores, valid_hyps = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))
+    # beside the test splits' hypotheses, as scripts/seed_table.py reads them
+    write_lines(run_dir / f"{cfg.data.valid_split}.ensemble.{cfg.decode.label}.{cfg.data.tgt_lang}", valid_hyps)
     report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
     device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device, cfg.runtime)
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
