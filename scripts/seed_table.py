@@ -11,13 +11,16 @@ validation split come from
 
     python evaluate.py checkpoint=RUN/checkpoint_best.pt split=val output=RUN/val.beam5.en
 
+A trainer.members run (the en-de recipe) writes its ensemble's, validation's included, as
+<split>.ensemble.beam5.<lang>: pass decoding=ensemble.beam5.
+
 With baseline=, every seed is compared with that run's hypotheses of each test split by
 sacreBLEU's paired bootstrap and approximate randomization (transformer/significance.py).
 
 Arguments (key=value, as for train.py):
     runs=[DIR,...]    the seeds' run directories (all on the same corpus and language pair)
     splits=[val,test_2016_flickr,test_2017_flickr]
-    decoding=beam5    which hypotheses: beam5 or greedy, as the files are named
+    decoding=beam5    which hypotheses, as the files are named: beam5, greedy, ensemble.beam5
     baseline=DIR      another run (or any directory holding <split>.<decoding>.<lang> files)
     seed=12345        the paired tests' random draws
 """
