@@ -56,7 +56,16 @@ import torch
 import torch.nn.functional as F
 
 from transformer import openmp
-from transformer.benchmarking import ISA_LIMITS, busy_cores, hardware, limit_isa, marian_model, matmul_peak, our_model
+from transformer.benchmarking import (
+    ISA_LIMITS,
+    TorchTransformer,
+    busy_cores,
+    hardware,
+    limit_isa,
+    marian_model,
+    matmul_peak,
+    our_model,
+)
 from transformer.cli import parse_args
 from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
 from transformer.errors import ConfigError, exit_on_user_error
@@ -153,54 +162,24 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
     return model, loss
 
 
-class TorchTransformer(torch.nn.Module):
-    """torch.nn.Transformer completed into a translation model the way its users do it."""
-
-    def __init__(self, layers, d_model, heads, d_ff):
-        super().__init__()
-        from transformer.model import SinusoidalPositions
-
-        self.embed = torch.nn.Embedding(VOCAB, d_model, padding_idx=0)
-        self.positions = SinusoidalPositions(d_model, 1024)
-        self.core = torch.nn.Transformer(d_model, heads, layers, layers, d_ff, 0.1, batch_first=True)
-        self.scale = d_model**0.5
-
-    def forward(self, src, tgt):
-        src_pad, tgt_pad = src == 0, tgt == 0
-        causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device, dtype=torch.bool)
-        x = self.core(
-            self.positions(self.embed(src) * self.scale),
-            self.positions(self.embed(tgt) * self.scale),
-            tgt_mask=causal,
-            src_key_padding_mask=src_pad,
-            tgt_key_padding_mask=tgt_pad,
-            memory_key_padding_mask=src_pad,
-        )
-        return F.linear(x, self.embed.weight)
+def peer_loss(logits, tgt_out):
+    """The peers' objective: cross-entropy with label smoothing 0.1, summed over non-padding tokens."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
 
 
 def build_torch(layers, d_model, heads, d_ff):
-    model = TorchTransformer(layers, d_model, heads, d_ff)
-
-    def loss(src, tgt_in, tgt_out):
-        logits = model(src, tgt_in)
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
-        )
-
-    return model, loss
+    model = TorchTransformer(VOCAB, layers, d_model, heads, d_ff, dropout=0.1)
+    return model, lambda src, tgt_in, tgt_out: peer_loss(model(src, tgt_in), tgt_out)
 
 
 def build_hf(layers, d_model, heads, d_ff):
     model = marian_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1)
 
     def loss(src, tgt_in, tgt_out):
-        logits = model(
-            input_ids=src, attention_mask=src != 0, decoder_input_ids=tgt_in, decoder_attention_mask=tgt_in != 0
-        ).logits
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), tgt_out.flatten(), ignore_index=0, label_smoothing=0.1, reduction="sum"
-        )
+        masks = {"attention_mask": src != 0, "decoder_attention_mask": tgt_in != 0}
+        return peer_loss(model(input_ids=src, decoder_input_ids=tgt_in, **masks).logits, tgt_out)
 
     return model, loss
 

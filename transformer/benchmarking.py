@@ -13,7 +13,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
+from .blocks import SinusoidalPositions
 from .devices import cpu_flags
 from .fast import accelerate
 from .model import ModelConfig, Transformer
@@ -119,6 +121,31 @@ def marian_model(vocab: int, layers: int, d_model: int, heads: int, d_ff: int, d
         activation_function="relu", dropout=dropout, scale_embedding=True, share_encoder_decoder_embeddings=True,
     )  # fmt: skip
     return MarianMTModel(config)
+
+
+class TorchTransformer(torch.nn.Module):
+    """torch.nn.Transformer completed into a translation model the way its users do it: shared
+    embeddings scaled by sqrt(d_model), sinusoidal positions, the output layer tied to them."""
+
+    def __init__(self, vocab: int, layers: int, d_model: int, heads: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model, padding_idx=0)
+        self.positions = SinusoidalPositions(d_model, 1024)
+        self.core = torch.nn.Transformer(d_model, heads, layers, layers, d_ff, dropout, batch_first=True)
+        self.scale = d_model**0.5
+
+    def forward(self, src, tgt):
+        src_pad, tgt_pad = src == 0, tgt == 0
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device, dtype=torch.bool)
+        x = self.core(
+            self.positions(self.embed(src) * self.scale),
+            self.positions(self.embed(tgt) * self.scale),
+            tgt_mask=causal,
+            src_key_padding_mask=src_pad,
+            tgt_key_padding_mask=tgt_pad,
+            memory_key_padding_mask=src_pad,
+        )
+        return F.linear(x, self.embed.weight)
 
 
 @contextmanager
