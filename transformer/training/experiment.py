@@ -113,6 +113,12 @@ def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
     return payload
 
 
+def hypotheses_path(run_dir: Path, split: str, label: str, lang: str) -> Path:
+    """Where a run keeps its translations of a split: {split}.{label}.{lang}, as
+    scripts/seed_table.py reads them (label: e.g. beam5, avg5.beam5, ensemble.beam5)."""
+    return run_dir / f"{split}.{label}.{lang}"
+
+
 def evaluate_tests(
     cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device, tag: str = ""
 ) -> dict[str, dict]:
@@ -128,7 +134,7 @@ def evaluate_tests(
         for decode_cfg in strategies:
             label = tag + decode_cfg.label
             hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
-            write_lines(run_dir / f"{split}.{label}.{cfg.data.tgt_lang}", hyps)
+            write_lines(hypotheses_path(run_dir, split, label, cfg.data.tgt_lang), hyps)
             scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
             report(
                 scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}")

@@ -33,7 +33,7 @@ from ..evaluation import score
 from ..fast import RuntimeConfig
 from ..files import write_texts
 from ..tokenizer import Tokenizer
-from .experiment import evaluate_tests, report, run_one, train_tokenizer
+from .experiment import evaluate_tests, hypotheses_path, report, run_one, train_tokenizer
 from .resume import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -195,8 +195,8 @@ def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     dirs = train_members(cfg, run_dir)
     options = candidates(dirs)
     chosen, valid_scores, valid_hyps = choose_on_validation(cfg, options, load_split(cfg.data, cfg.data.valid_split))
-    # beside the test splits' hypotheses, as scripts/seed_table.py reads them
-    write_lines(run_dir / f"{cfg.data.valid_split}.ensemble.{cfg.decode.label}.{cfg.data.tgt_lang}", valid_hyps)
+    label = f"ensemble.{cfg.decode.label}"  # beside the test splits' translations (evaluate_tests)
+    write_lines(hypotheses_path(run_dir, cfg.data.valid_split, label, cfg.data.tgt_lang), valid_hyps)
     report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
     device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device, cfg.runtime)
     results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
