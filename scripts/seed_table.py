@@ -16,12 +16,15 @@ A trainer.members run (the en-de recipe) writes its ensemble's, validation's inc
 
 With baseline=, every seed is compared with that run's hypotheses of each test split by
 sacreBLEU's paired bootstrap and approximate randomization (transformer/significance.py).
+baseline_decoding= names the baseline's files where they differ, e.g. an ensemble's seeds against
+one of its members: baseline=RUN/member0 baseline_decoding=avg5.beam5.
 
 Arguments (key=value, as for train.py):
     runs=[DIR,...]    the seeds' run directories (all on the same corpus and language pair)
     splits=[val,test_2016_flickr,test_2017_flickr]
     decoding=beam5    which hypotheses, as the files are named: beam5, greedy, ensemble.beam5
     baseline=DIR      another run (or any directory holding <split>.<decoding>.<lang> files)
+    baseline_decoding=NAME   the baseline's hypotheses, <split>.<NAME>.<lang> (default: decoding)
     seed=12345        the paired tests' random draws
 """
 
@@ -50,6 +53,7 @@ class SeedTableConfig:
     splits: list[str] = field(default_factory=lambda: ["val", "test_2016_flickr", "test_2017_flickr"])
     decoding: str = "beam5"
     baseline: Optional[str] = None
+    baseline_decoding: Optional[str] = None  # None: the same as decoding
     seed: int = 12345
 
     def __post_init__(self) -> None:
@@ -129,9 +133,10 @@ def main(argv: list[str]) -> None:
         if cfg.baseline is None:
             return
         baseline = Path(cfg.baseline)
-        print(f"\npaired tests against baseline={baseline} (seed {cfg.seed}):")
+        baseline_decoding = cfg.baseline_decoding or cfg.decoding
+        print(f"\npaired tests against baseline={baseline}, {baseline_decoding} (seed {cfg.seed}):")
         for split in (s for s in cfg.splits if s != "val"):
-            base = hypotheses(baseline, split, cfg.decoding, lang, refs[split])
+            base = hypotheses(baseline, split, baseline_decoding, lang, refs[split])
             for run in runs:
                 for result in compare(base, texts[run, split], refs[split], seed=cfg.seed):
                     print(f"  {split} {run}: {result.summary()}")

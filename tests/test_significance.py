@@ -69,12 +69,12 @@ def test_a_seed_below_one_and_unequal_lengths_are_refused(references):
         compare(references[:-1], references, references)
 
 
-def fake_run(directory, hypotheses: dict[str, list[str]]):
+def fake_run(directory, hypotheses: dict[str, list[str]], decoding: str = "beam5"):
     """A run directory as train.py leaves it, as far as scripts/seed_table.py reads it."""
     (directory / ".hydra").mkdir(parents=True)
     (directory / ".hydra" / "config.yaml").write_text(f"data:\n  dir: {DATA}\n  src_lang: de\n  tgt_lang: en\n")
     for split, lines in hypotheses.items():
-        (directory / f"{split}.beam5.en").write_text("".join(line + "\n" for line in lines))
+        (directory / f"{split}.{decoding}.en").write_text("".join(line + "\n" for line in lines))
     return directory
 
 
@@ -97,6 +97,22 @@ def test_seed_table_gives_each_seed_and_their_mean_and_spread(tmp_path, monkeypa
     worse_test = float(next(line for line in out.splitlines() if line.startswith(f"| {worse} |")).split(" | ")[4])
     assert f"test_2016_flickr {perfect}: BLEU: baseline {worse_test:.2f}, system 100.00" in out
     assert f"val {perfect}:" not in out  # the validation split chose the recipe: only test splits are compared
+
+
+def test_seed_table_compares_with_a_baseline_decoded_otherwise(tmp_path, monkeypatch, capsys):
+    """An ensemble's seeds against one member's averaged checkpoint: the files are named apart."""
+    from .test_bad_inputs import run_main
+
+    refs = [line.strip() for line in gzip.open(DATA / "test_2016_flickr.en.gz", "rt", encoding="utf-8")]
+    run = fake_run(tmp_path / "run", {"test_2016_flickr": refs}, decoding="ensemble.beam5")
+    member = fake_run(tmp_path / "member0", {"test_2016_flickr": damaged(refs)}, decoding="avg5.beam5")
+    args = [f"runs=[{run}]", "splits=[test_2016_flickr]", "decoding=ensemble.beam5", f"baseline={member}"]
+    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 2
+    assert f"{member}/test_2016_flickr.ensemble.beam5.en does not exist" in capsys.readouterr().err
+    assert run_main("scripts/seed_table.py", [*args, "baseline_decoding=avg5.beam5"], b"", monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert f"paired tests against baseline={member}, avg5.beam5" in out
+    assert f"test_2016_flickr {run}: BLEU: baseline" in out and "system 100.00" in out
 
 
 def test_seed_table_names_the_missing_hypotheses_and_how_to_write_them(tmp_path, monkeypatch, capsys):
