@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything this project measures on a GPU, in one call of about nine minutes (for a lent GPU,
-# whose time is short; see docs/SPEED.md and docs/RESULTS.md for what the numbers went into):
+# whose time is short; see docs/PERFORMANCE.md and docs/RESULTS.md for what the numbers went into):
 #   1. training throughput against torch.nn.Transformer and HF MarianMT in bf16 at 32k-token
 #      batches, with model FLOP/s as a fraction of the measured matmul peak (scripts/benchmark.py),
 #      then ours under torch.compile at base;
