@@ -25,7 +25,8 @@ against Hugging Face transformers' `generate` at the same model size.
    `peer_sentences` sources in one batch, forced to `new_tokens` steps, greedy and beam 5: ours in
    fp32, bf16 (where the CPU has bf16 matrix instructions) and int8 (decode.precision=int8), and
    CTranslate2 with compute_type float32, int8 and bfloat16 (where its CPU build offers it), all with the same
-   threads; timed in turns as in part 2 and compared with CTranslate2 float32 (`vs ct2 fp32`).
+   threads; timed in turns as in part 2 and compared with CTranslate2 float32 (`vs ct2 fp32`)
+   and, with peers and transformers, with HF generate in fp32 in the same turns (`vs hf fp32`).
 """
 
 from __future__ import annotations
@@ -313,14 +314,19 @@ def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], devi
         print("ctranslate2 skipped: measured on the CPU only", file=sys.stderr)
         return []
     rows = []
+    eos = tokenizer.eos_id
+    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
         model = our_model(len(tokenizer), layers, d_model, heads, d_ff, dropout=0.0, runtime=RuntimeConfig()).eval()
+        theirs = hf_baseline(cfg, len(tokenizer), layers, d_model, heads, d_ff)
         with tempfile.TemporaryDirectory() as tmp:
             export(model, tokenizer, Path(tmp) / "ct2", "float32")
             for beams in (1, cfg.beam_size):
                 runs = ctranslate2_decoders(cfg, model, tokenizer, sources, Path(tmp) / "ct2", beams)
+                if theirs is not None:
+                    runs["hf-marian"] = partial(hf_generate, theirs, src, beams, cfg.new_tokens)
                 for run in runs.values():  # untimed: one-time costs (allocations, packing, kernel setup)
                     run()
                 timings = race(runs, cfg.rounds, device)
@@ -332,13 +338,29 @@ def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], devi
                         "tokens_per_s": len(sources) * cfg.new_tokens / seconds[name],
                         "vs_ct2_fp32": seconds["ct2 float32"] / seconds[name],
                     })  # fmt: skip
+                    if theirs is not None:
+                        rows[-1]["vs_hf_fp32"] = seconds["hf-marian"] / seconds[name]
     return rows
 
 
+def hf_baseline(cfg: BenchConfig, vocab: int, layers: int, d_model: int, heads: int, d_ff: int):
+    """Part 3's baseline: MarianMTModel of the preset's size in fp32 (random weights; forced lengths
+    make the work equal), or None with peers=false or without transformers."""
+    if not cfg.peers:
+        return None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    return marian_model(vocab, layers, d_model, heads, d_ff, dropout=0.0).eval()
+
+
 def print_ctranslate2_rows(rows: list[dict]) -> None:
-    print(f"{'preset':<7}{'strategy':<9}{'decoder':<18}{'tok/s':>9}{'seconds':>9}{'vs ct2 fp32':>12}")
+    print(f"{'preset':<7}{'strategy':<9}{'decoder':<18}{'tok/s':>9}{'seconds':>9}{'vs ct2 fp32':>12}{'vs hf fp32':>11}")
     for r in rows:
-        print(f"{r['preset']:<7}{r['strategy']:<9}{r['decoder']:<18}{r['tokens_per_s']:>9.0f}{r['seconds']:>9.2f}{r['vs_ct2_fp32']:>11.2f}x")  # fmt: skip
+        vs_hf = f"{r['vs_hf_fp32']:.2f}x" if "vs_hf_fp32" in r else ""
+        print(f"{r['preset']:<7}{r['strategy']:<9}{r['decoder']:<18}{r['tokens_per_s']:>9.0f}{r['seconds']:>9.2f}{r['vs_ct2_fp32']:>11.2f}x{vs_hf:>11}")  # fmt: skip
 
 
 def sources_for_peers(cfg: BenchConfig, tokenizer, test) -> list[list[int]]:

@@ -23,9 +23,16 @@ from .model import ModelConfig, Transformer
 
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
-# The variables that keep oneDNN, ATen's own kernels and MKL to the AVX2 instructions, as on a CPU
-# without AVX-512 (most laptops): read when each library starts, so set before torch is imported.
-ISA_LIMITS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+# The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to the AVX2 instructions,
+# as on a CPU without AVX-512 (most laptops): read when each library starts, so set before torch is imported.
+ISA_LIMITS = {
+    "avx2": {
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "CT2_FORCE_CPU_ISA": "AVX2",
+    }
+}
 
 
 def limit_isa(isa: str | None, script: str, argv: list[str]) -> None:
