@@ -35,7 +35,6 @@ import copy
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -45,7 +44,16 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import ISA_LIMITS, hardware, limit_isa, marian_model, our_model, timed
+from transformer.benchmarking import (
+    ISA_LIMITS,
+    CTranslate2InChild,
+    hardware,
+    limit_isa,
+    marian_model,
+    our_model,
+    padded,
+    timed,
+)
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, Uncached, translate_ids
@@ -132,7 +140,7 @@ def race(runs: dict, rounds: int, device: torch.device) -> dict[str, tuple[list[
             runs[name]()
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
-            seconds, result = runs[name]() if isinstance(runs[name], InChild) else timed(runs[name], device)
+            seconds, result = runs[name]() if isinstance(runs[name], CTranslate2InChild) else timed(runs[name], device)
             out[name] = (out[name][0] + [seconds], result)
     return out
 
@@ -149,8 +157,7 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
     import transformers
 
     sources = sources[: cfg.peer_sentences]
-    eos = tokenizer.eos_id
-    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True).to(device)
+    src = padded(sources, tokenizer.eos_id).to(device)
     has_bf16 = device.type == "cuda" or (cpu_has_bf16_matmul() and cfg.isa is None)
     precisions = [p for p in ("fp32", "bf16") if p in cfg.precisions and (p == "fp32" or has_bf16)]
     hf_name, rows = f"hf-marian {transformers.__version__}", []
@@ -302,41 +309,8 @@ def ctranslate2_decoders(cfg: BenchConfig, model, tokenizer, sources, directory:
     options = dict(beam_size=beams, max_decoding_length=cfg.new_tokens, min_decoding_length=cfg.new_tokens, length_penalty=0.0, max_batch_size=0)  # fmt: skip
     supported = ctranslate2.get_supported_compute_types("cpu")  # its CPU bfloat16 depends on the build and CPU
     for compute_type in [t for t in ("float32", "int8_float32", "bfloat16") if t in supported]:
-        runs[f"ct2 {compute_type}"] = InChild(str(directory), compute_type, threads, pieces, options)
+        runs[f"ct2 {compute_type}"] = CTranslate2InChild(str(directory), compute_type, threads, pieces, options)
     return runs
-
-
-# Run by InChild in a process of its own: load the model, translate once untimed (allocations,
-# packing, kernel setup), then once timed; prints the seconds.
-CT2_TIMER = """
-import json, sys, time, ctranslate2
-directory, compute_type, threads, pieces, options = json.load(sys.stdin)
-translator = ctranslate2.Translator(directory, device="cpu", compute_type=compute_type, intra_threads=threads)
-translator.translate_batch(pieces, **options)
-start = time.perf_counter()
-translator.translate_batch(pieces, **options)
-print(time.perf_counter() - start)
-"""
-
-
-@dataclass
-class InChild:
-    """A CTranslate2 decoding timed in a child process, each time: once CTranslate2 has run in a
-    process, its thread pool stays there beside torch's, and the torch decoders timed after it
-    (ours and HF alike) ran about 1.4x slower."""
-
-    directory: str
-    compute_type: str
-    threads: int
-    pieces: list
-    options: dict
-
-    def __call__(self) -> tuple[float, None]:
-        payload = json.dumps([self.directory, self.compute_type, self.threads, self.pieces, self.options])
-        done = subprocess.run([sys.executable, "-c", CT2_TIMER], input=payload, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"CTranslate2 ({self.compute_type}) failed: {done.stderr.strip()[-2000:]}")
-        return float(done.stdout.split()[-1]), None
 
 
 def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: torch.device) -> list[dict]:
@@ -345,8 +319,7 @@ def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], devi
         print("ctranslate2 skipped: measured on the CPU only", file=sys.stderr)
         return []
     rows = []
-    eos = tokenizer.eos_id
-    src = torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos]) for s in sources], batch_first=True)
+    src = padded(sources, tokenizer.eos_id)
     for preset in cfg.presets:
         layers, d_model, heads, d_ff = PRESETS[preset]
         torch.manual_seed(0)
@@ -359,7 +332,7 @@ def ctranslate2_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], devi
                 if theirs is not None:
                     runs["hf-marian"] = partial(hf_generate, theirs, src, beams, cfg.new_tokens)
                 for run in runs.values():  # untimed: one-time costs (allocations, packing, kernel setup)
-                    if not isinstance(run, InChild):  # which times after its own untimed run
+                    if not isinstance(run, CTranslate2InChild):  # which times after its own untimed run
                         run()
                 timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}

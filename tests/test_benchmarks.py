@@ -83,28 +83,23 @@ def test_isa_avx2_reruns_the_script_with_its_libraries_kept_to_avx2(tmp_path):
     assert result.stdout.split() == ["avx2", "AVX2", "a=1"]
 
 
-def test_ctranslate2_is_timed_in_a_process_of_its_own(monkeypatch, tmp_path):
+def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
     """Part 3 of benchmark_decoding.py: CTranslate2 decodes the exported model in a child process,
     which reports the seconds of one timed batch; a failure there names its compute type."""
-    import importlib.util
-
     import pytest
 
     pytest.importorskip("ctranslate2")
+    from transformer.benchmarking import CTranslate2InChild
     from transformer.export import export
 
     from .briefly_trained import multi30k_corpus, trained_model
 
-    spec = importlib.util.spec_from_file_location("benchmark_decoding_script", ROOT / "scripts" / "benchmark_decoding.py")  # fmt: skip
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up there
-    spec.loader.exec_module(bench)
     corpus = multi30k_corpus()
     model, tokenizer = trained_model(corpus, {}, steps=1)
     export(model, tokenizer, tmp_path / "ct2", "float32")
     pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in tokenizer.source.encode(corpus[0][:4])]
     options = dict(beam_size=1, max_decoding_length=5, min_decoding_length=5)
-    seconds, result = bench.InChild(str(tmp_path / "ct2"), "float32", 1, pieces, options)()
+    seconds, result = CTranslate2InChild(str(tmp_path / "ct2"), "float32", 1, pieces, options)()
     assert seconds > 0 and result is None
     with pytest.raises(RuntimeError, match="CTranslate2 \\(float32\\) failed"):
-        bench.InChild(str(tmp_path / "missing"), "float32", 1, pieces, options)()
+        CTranslate2InChild(str(tmp_path / "missing"), "float32", 1, pieces, options)()

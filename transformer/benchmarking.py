@@ -1,15 +1,18 @@
-"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, timing, the
-models compared (ours, Hugging Face's MarianMT, torch.nn.Transformer completed into a translation
-model) and other processes that keep cores busy."""
+"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, timing (in
+this process, or CTranslate2's in a child process), the models compared (ours, Hugging Face's
+MarianMT, torch.nn.Transformer completed into a translation model) and other processes that keep
+cores busy."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -83,6 +86,44 @@ def timed(fn, device: torch.device) -> tuple[float, object]:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, result
+
+
+def padded(sources: list[list[int]], eos_id: int) -> torch.Tensor:
+    """Token-id sentences, each with EOS appended, as one right-padded (pad 0) batch."""
+    return torch.nn.utils.rnn.pad_sequence([torch.tensor(s + [eos_id]) for s in sources], batch_first=True)
+
+
+# Run by CTranslate2InChild in a process of its own: load the model, translate once untimed (allocations,
+# packing, kernel setup), then once timed; prints the seconds.
+CT2_TIMER = """
+import json, sys, time, ctranslate2
+directory, compute_type, threads, pieces, options = json.load(sys.stdin)
+translator = ctranslate2.Translator(directory, device="cpu", compute_type=compute_type, intra_threads=threads)
+translator.translate_batch(pieces, **options)
+start = time.perf_counter()
+translator.translate_batch(pieces, **options)
+print(time.perf_counter() - start)
+"""
+
+
+@dataclass
+class CTranslate2InChild:
+    """A CTranslate2 decoding timed in a child process, each time: once CTranslate2 has run in a
+    process, its thread pool stays there beside torch's, and the torch decoders timed after it
+    (ours and HF alike) ran about 1.4x slower."""
+
+    directory: str
+    compute_type: str
+    threads: int
+    pieces: list
+    options: dict
+
+    def __call__(self) -> tuple[float, None]:
+        payload = json.dumps([self.directory, self.compute_type, self.threads, self.pieces, self.options])
+        done = subprocess.run([sys.executable, "-c", CT2_TIMER], input=payload, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"CTranslate2 ({self.compute_type}) failed: {done.stderr.strip()[-2000:]}")
+        return float(done.stdout.split()[-1]), None
 
 
 def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:
