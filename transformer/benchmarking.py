@@ -109,8 +109,8 @@ print(time.perf_counter() - start)
 @dataclass
 class CTranslate2InChild:
     """A CTranslate2 decoding timed in a child process, each time: once CTranslate2 has run in a
-    process, its thread pool stays there beside torch's, and the torch decoders timed after it
-    (ours and HF alike) ran about 1.4x slower."""
+    process, its thread pool stays there beside torch's and slows the torch decoders timed after it,
+    ours and HF alike (docs/PERFORMANCE.md, "int8 decoding and CTranslate2")."""
 
     directory: str
     compute_type: str
