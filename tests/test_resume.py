@@ -47,11 +47,14 @@ def start_and_wait(cmd, run_dir, min_step: int) -> subprocess.Popen:
 def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus, runtime):
     # The linear schedule's decay depends on where warmup ended: the resumed run must restore it.
     # Subword sampling draws each epoch's segmentation anew: the resumed run must draw the same.
+    # A long budget's dropout, chosen at step 2, must hold after the resume too.
     schedule = ["trainer.max_steps=40", "trainer.schedule=linear", "trainer.warmup_steps=5", "data.subword_alpha=0.3"]
+    schedule += ["trainer.long_budget_epochs=1", "trainer.long_budget_dropout=0.05"]  # model=small: 0.3
     schedule.append(f"runtime={runtime}")
     full = tmp_path / "full"
     done = subprocess.run(command(full, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "(estimated at step 2): dropout 0.05" in done.stdout
     records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in records if "lr" in r}
     for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup towards 0 after max_steps
@@ -94,6 +97,12 @@ def test_the_budget_may_change_on_resume_unless_the_schedule_depends_on_it():
     for trainer in ({"schedule": "linear", "cooldown": 0.0}, {"schedule": "inverse_sqrt", "cooldown": 0.1}):
         before, after = {"trainer": {"max_steps": 100, **trainer}}, {"trainer": {"max_steps": 200, **trainer}}
         assert [d.split(" ")[0] for d in config_differences(before, after)] == ["trainer.max_steps"]
+
+
+def test_the_budget_may_not_change_on_resume_when_it_chooses_the_dropout():
+    before = {"trainer": {"max_steps": 100, "schedule": "inverse_sqrt", "long_budget_epochs": 20}}
+    after = {"trainer": {"max_steps": 200, "schedule": "inverse_sqrt", "long_budget_epochs": 20}}
+    assert [d.split(" ")[0] for d in config_differences(before, after)] == ["trainer.max_steps"]
 
 
 def test_a_checkpoint_older_than_an_option_resumes_when_the_option_keeps_its_default():

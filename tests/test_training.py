@@ -332,3 +332,26 @@ def test_the_runtime_chooses_the_chunked_loss_or_the_reference_logits_and_both_t
         assert trainer.chunked_loss == fast
         losses[fast] = trainer.train_step([batch])
     torch.testing.assert_close(losses[True], losses[False])
+
+
+def test_the_plan_estimates_the_budgets_epochs_and_picks_the_long_budgets_dropout():
+    from transformer.training.plan import planned_dropout, planned_epochs
+
+    assert planned_epochs(0.6, 0.02) == pytest.approx(30.0)  # 0.6 epochs in 2% of the budget
+    tcfg = TrainerConfig(long_budget_epochs=24, long_budget_dropout=0.3)
+    assert [planned_dropout(e, tcfg, 0.2) for e in (7.0, 23.9, 24.0, 30.0)] == [0.2, 0.2, 0.3, 0.3]
+    assert planned_dropout(300.0, TrainerConfig(), 0.2) == 0.2  # long_budget_epochs=0: off
+    with pytest.raises(ValueError, match="trainer.long_budget_dropout=1.0"):
+        TrainerConfig(long_budget_dropout=1.0)
+
+
+def test_set_dropout_changes_the_residual_and_embedding_dropout_only():
+    model = Transformer(ModelConfig(100, n_encoder_layers=2, n_decoder_layers=2, d_model=16, n_heads=2, d_ff=32,
+                                    dropout=0.2, activation_dropout=0.15, attention_dropout=0.1))  # fmt: skip
+    before = {name: m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    model.set_dropout(0.3)
+    after = {name: m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {name for name, p in before.items() if p == 0.2} and len(changed) == 1 + 2 * 2 + 2 * 3
+    assert all(after[name] == 0.3 for name in changed) and model.cfg.dropout == 0.3
+    assert {m.dropout for m in model.modules() if hasattr(m, "dropout") and isinstance(m.dropout, float)} == {0.1}

@@ -347,6 +347,17 @@ class Transformer(nn.Module):
             return None
         return self.cfg.attention.balance_weight * torch.stack(losses).sum()
 
+    def set_dropout(self, p: float) -> None:
+        """Change model.dropout (on the embeddings and every sublayer output) of the built model,
+        as the trainer does when the budget's length chooses it (training/plan.py)."""
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout {p} is not in [0, 1)")
+        self.cfg.dropout = p
+        self.embed_dropout.p = p
+        for module in self.modules():
+            if isinstance(module, AddNorm):
+                module.dropout.p = p
+
     def set_head_mask(self, masks: dict[str, Tensor] | None) -> None:
         """Scale each head's output at inference (1 keeps a head, 0 removes it); weights untouched.
 

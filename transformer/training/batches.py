@@ -32,6 +32,7 @@ class TrainState:
     valid_seconds: float = 0.0  # of which validation
     warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
     warmup_end: int = 0  # the step at which warmup ended (0: not yet)
+    planned_epochs: float = 0.0  # the epochs the budget holds, estimated at plan.PLAN_AT of it (0: not yet)
 
 
 class EpochBatches:

@@ -23,6 +23,8 @@ class TrainerConfig:
     warmup_fraction: float = 0.0  # > 0: warmup also ends once this fraction of the budget is used, if that is sooner
     schedule: str = "inverse_sqrt"  # after warmup: inverse_sqrt (the paper), or linear/cosine: to 0 at the budget
     cooldown: float = 0.0  # fraction of the budget at its end over which the lr falls linearly to 0; 0: none
+    long_budget_epochs: float = 0.0  # > 0: a budget holding at least this many epochs (estimated at 2% of it) ...
+    long_budget_dropout: float = 0.3  # ... trains with this model.dropout from then on (training/plan.py)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-9
     weight_decay: float = 0.0
@@ -61,6 +63,8 @@ class TrainerConfig:
             )
         if not 0.0 <= self.cooldown <= 1.0:
             raise ValueError(f"trainer.cooldown={self.cooldown} must be a fraction of the budget, between 0 and 1")
+        if not 0.0 <= self.long_budget_dropout < 1.0:
+            raise ValueError(f"trainer.long_budget_dropout={self.long_budget_dropout} is not in [0, 1)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"trainer.schedule={self.schedule!r} is not one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
@@ -78,7 +82,8 @@ class TrainerConfig:
         for key in ("warmup_steps", "accumulate", "max_steps", "eval_every", "log_every", "max_bad_steps", "members"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 1")
-        for key in ("threads", "max_epochs", "max_minutes", "max_tokens_seen", "patience", "keep_last", "average_last"):
+        counts = ("threads", "max_epochs", "max_minutes", "max_tokens_seen", "patience", "keep_last", "average_last")
+        for key in (*counts, "long_budget_epochs"):
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise ValueError(f"trainer.{key}={getattr(self, key)} must be >= 0")
         for key in ("weight_decay", "clip_norm", "rdrop"):

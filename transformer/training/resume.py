@@ -75,11 +75,12 @@ def config_differences(saved: dict, current: dict, defaults: dict | None = None)
 
     A key the checkpoint lacks (an option newer than it) counts as its value in `defaults`; a key
     only the checkpoint has (an option since removed, e.g. trainer.chunked_loss) is ignored. The
-    budget may change on resume, except when the learning-rate schedule depends on it."""
+    budget may change on resume, except when the learning-rate schedule or the dropout depends on it."""
     a, b, d = flatten(saved), flatten(current), flatten(defaults or {})
     trainer = current.get("trainer", {})
     resumable = RESUMABLE_CHANGES
     fitted = trainer.get("cooldown", 0.0) > 0 or trainer.get("warmup_fraction", 0.0) > 0
+    fitted = fitted or trainer.get("long_budget_epochs", 0.0) > 0  # the dropout depends on the budget too
     if trainer.get("schedule", "inverse_sqrt") != "inverse_sqrt" or fitted:
         resumable = RESUMABLE_CHANGES - BUDGET
     keys = sorted(set(b) - resumable)

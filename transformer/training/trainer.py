@@ -27,6 +27,7 @@ from .batches import EpochBatches, TrainState
 from .distributed import World
 from .objective import training_objective
 from .optimizer import trainer_adam
+from .plan import PLAN_AT, planned_dropout, planned_epochs
 from .resume import GracefulStop, rng_states, set_rng_states
 from .schedule import scheduled_lr, warmup_ramp
 from .validation import validate
@@ -118,7 +119,10 @@ class Trainer:
             self.scaler.update()
             return None
         self.state.step += 1
-        lr = self.learning_rate(float(mean_seconds) if self.world.distributed else seconds)
+        seconds = float(mean_seconds) if self.world.distributed else seconds
+        lr = self.learning_rate(seconds)
+        if self.tcfg.long_budget_epochs and not self.state.planned_epochs:
+            self.plan(self.progress(seconds))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.step(self.optimizer)
@@ -150,6 +154,24 @@ class Trainer:
                 state.warmup_progress = progress
         warmup = state.warmup_end or t.warmup_steps
         return scheduled_lr(t.schedule, state.step, t.lr, warmup, progress, state.warmup_progress, t.cooldown, ramp)
+
+    def plan(self, progress: float) -> None:
+        """Once plan.PLAN_AT of the budget is used: estimate the epochs it holds and set the
+        dropout for them (from the next step on; see plan.py)."""
+        if progress < PLAN_AT:
+            return
+        state = self.state
+        epochs_done = state.epoch - 1 + state.batch_in_epoch / max(self.batches.epoch_size, 1)
+        state.planned_epochs = planned_epochs(epochs_done, progress)
+        self.apply_plan()
+        if self.world.is_main:
+            log.info(
+                "the budget holds about %.1f epochs (estimated at step %d): dropout %g",
+                state.planned_epochs, state.step, self.model.cfg.dropout,
+            )  # fmt: skip
+
+    def apply_plan(self) -> None:
+        self.model.set_dropout(planned_dropout(self.state.planned_epochs, self.tcfg, self.cfg.model.dropout))
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
@@ -251,6 +273,8 @@ class Trainer:
         self.scaler.load_state_dict(payload["scaler"])
         self.state = TrainState(**payload["train_state"])
         set_rng_states(payload["rng"])
+        if self.state.planned_epochs:
+            self.apply_plan()
         if "log_window" in payload:
             self.window.restore(payload["log_window"], self.device)
         if self.state.best_step == self.state.step:
