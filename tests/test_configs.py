@@ -148,6 +148,8 @@ def test_sweep_configs_define_a_multirun_grid(sweep):
     assert cfg.data.src_lang + "_" + cfg.data.tgt_lang in sweep  # the sweep trains its own direction
     for key in params:  # every swept key exists in the composed configuration
         assert OmegaConf.select(cfg, key, throw_on_missing=False) is not None, key
+    if "model.dropout" in params:  # a long budget's dropout would replace the swept values
+        assert cfg.trainer.long_budget_epochs == 0
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus,
     full = tmp_path / "full"
     done = subprocess.run(command(full, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "(estimated at step 2): dropout 0.05" in done.stdout
+    assert "(estimated at step 2), trainer.long_budget_epochs=1: dropout 0.05 from the next step on" in done.stdout
     records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in records if "lr" in r}
     for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup towards 0 after max_steps

@@ -163,11 +163,14 @@ class Trainer:
         state = self.state
         epochs_done = state.epoch - 1 + state.batch_in_epoch / max(self.batches.epoch_size, 1)
         state.planned_epochs = planned_epochs(epochs_done, progress)
+        before = self.model.cfg.dropout
         self.apply_plan()
         if self.world.is_main:
+            after = self.model.cfg.dropout
+            change = f"dropout {after:g} from the next step on" if after != before else f"dropout stays {before:g}"
             log.info(
-                "the budget holds about %.1f epochs (estimated at step %d): dropout %g",
-                state.planned_epochs, state.step, self.model.cfg.dropout,
+                "the budget holds about %.1f epochs (estimated at step %d), trainer.long_budget_epochs=%g: %s",
+                state.planned_epochs, state.step, self.tcfg.long_budget_epochs, change,
             )  # fmt: skip
 
     def apply_plan(self) -> None:
