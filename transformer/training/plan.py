@@ -26,3 +26,25 @@ def planned_dropout(epochs: float, tcfg, dropout: float) -> float:
     if tcfg.long_budget_epochs and epochs >= tcfg.long_budget_epochs:
         return tcfg.long_budget_dropout
     return dropout
+
+
+def plan_dropout(model, state, tcfg, dropout: float, progress: float, epoch_size: int) -> str | None:
+    """Once PLAN_AT of the budget is used: estimate the epochs it holds (kept in the run's
+    `state`) and set the model's dropout for them. Returns the line to log; None before then."""
+    if progress < PLAN_AT:
+        return None
+    epochs_done = state.epoch - 1 + state.batch_in_epoch / max(epoch_size, 1)
+    state.planned_epochs = planned_epochs(epochs_done, progress)
+    before = model.cfg.dropout
+    apply_plan(model, state, tcfg, dropout)
+    after = model.cfg.dropout
+    change = f"dropout {after:g} from the next step on" if after != before else f"dropout stays {before:g}"
+    return (
+        f"the budget holds about {state.planned_epochs:.1f} epochs (estimated at step {state.step}), "
+        f"trainer.long_budget_epochs={tcfg.long_budget_epochs:g}: {change}"
+    )
+
+
+def apply_plan(model, state, tcfg, dropout: float) -> None:
+    """The model's dropout for the epochs `state` planned (again, after a resume)."""
+    model.set_dropout(planned_dropout(state.planned_epochs, tcfg, dropout))

@@ -27,7 +27,7 @@ from .batches import EpochBatches, TrainState
 from .distributed import World
 from .objective import training_objective
 from .optimizer import trainer_adam
-from .plan import PLAN_AT, planned_dropout, planned_epochs
+from .plan import apply_plan, plan_dropout
 from .resume import GracefulStop, rng_states, set_rng_states
 from .schedule import scheduled_lr, warmup_ramp
 from .validation import validate
@@ -122,7 +122,10 @@ class Trainer:
         seconds = float(mean_seconds) if self.world.distributed else seconds
         lr = self.learning_rate(seconds)
         if self.tcfg.long_budget_epochs and not self.state.planned_epochs:
-            self.plan(self.progress(seconds))
+            progress, dropout = self.progress(seconds), self.cfg.model.dropout
+            message = plan_dropout(self.model, self.state, self.tcfg, dropout, progress, self.batches.epoch_size)
+            if message and self.world.is_main:
+                log.info(message)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.step(self.optimizer)
@@ -154,27 +157,6 @@ class Trainer:
                 state.warmup_progress = progress
         warmup = state.warmup_end or t.warmup_steps
         return scheduled_lr(t.schedule, state.step, t.lr, warmup, progress, state.warmup_progress, t.cooldown, ramp)
-
-    def plan(self, progress: float) -> None:
-        """Once plan.PLAN_AT of the budget is used: estimate the epochs it holds and set the
-        dropout for them (from the next step on; see plan.py)."""
-        if progress < PLAN_AT:
-            return
-        state = self.state
-        epochs_done = state.epoch - 1 + state.batch_in_epoch / max(self.batches.epoch_size, 1)
-        state.planned_epochs = planned_epochs(epochs_done, progress)
-        before = self.model.cfg.dropout
-        self.apply_plan()
-        if self.world.is_main:
-            after = self.model.cfg.dropout
-            change = f"dropout {after:g} from the next step on" if after != before else f"dropout stays {before:g}"
-            log.info(
-                "the budget holds about %.1f epochs (estimated at step %d), trainer.long_budget_epochs=%g: %s",
-                state.planned_epochs, state.step, self.tcfg.long_budget_epochs, change,
-            )  # fmt: skip
-
-    def apply_plan(self) -> None:
-        self.model.set_dropout(planned_dropout(self.state.planned_epochs, self.tcfg, self.cfg.model.dropout))
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
@@ -277,7 +259,7 @@ class Trainer:
         self.state = TrainState(**payload["train_state"])
         set_rng_states(payload["rng"])
         if self.state.planned_epochs:
-            self.apply_plan()
+            apply_plan(self.model, self.state, self.tcfg, self.cfg.model.dropout)
         if "log_window" in payload:
             self.window.restore(payload["log_window"], self.device)
         if self.state.best_step == self.state.step:
