@@ -34,6 +34,11 @@ class TrainState:
     warmup_end: int = 0  # the step at which warmup ended (0: not yet)
     planned_epochs: float = 0.0  # the epochs the budget holds, estimated at plan.PLAN_AT of it (0: not yet)
 
+    def epochs_done(self, epoch_size: int, unconsumed: int = 0) -> float:
+        """Epochs trained, as a fraction: the full ones, plus the share of the current epoch's
+        `epoch_size` batches consumed, less its last `unconsumed` ones."""
+        return self.epoch - 1 + max(self.batch_in_epoch - unconsumed, 0) / max(epoch_size, 1)
+
 
 class EpochBatches:
     """Batches of sentences of similar length, up to data.max_tokens padded tokens each, in an

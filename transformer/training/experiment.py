@@ -275,7 +275,7 @@ def training_summary(trainer: Trainer, best: dict, run_dir: Path) -> dict:
     return {
         "parameters": count_parameters(trainer.model),
         "steps": state.step,
-        "epochs": state.epoch - 1 + state.batch_in_epoch / max(len(trainer.batches.epoch_batches(state.epoch)), 1),
+        "epochs": state.epochs_done(len(trainer.batches.epoch_batches(state.epoch))),
         "train_minutes": state.train_seconds / 60,
         "valid_minutes": state.valid_seconds / 60,
         "tokens_per_s": state.train_tokens / step_seconds,

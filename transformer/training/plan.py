@@ -33,8 +33,7 @@ def plan_dropout(model, state, tcfg, dropout: float, progress: float, epoch_size
     `state`) and set the model's dropout for them. Returns the line to log; None before then."""
     if progress < PLAN_AT:
         return None
-    epochs_done = state.epoch - 1 + state.batch_in_epoch / max(epoch_size, 1)
-    state.planned_epochs = planned_epochs(epochs_done, progress)
+    state.planned_epochs = planned_epochs(state.epochs_done(epoch_size), progress)
     before = model.cfg.dropout
     apply_plan(model, state, tcfg, dropout)
     after = model.cfg.dropout

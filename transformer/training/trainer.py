@@ -143,8 +143,7 @@ class Trainer:
         if t.max_tokens_seen:
             used.append(state.train_tokens / t.max_tokens_seen)
         if t.max_epochs:
-            batches_before = max(state.batch_in_epoch - t.accumulate, 0)
-            used.append((state.epoch - 1 + batches_before / max(self.batches.epoch_size, 1)) / t.max_epochs)
+            used.append(state.epochs_done(self.batches.epoch_size, unconsumed=t.accumulate) / t.max_epochs)
         return min(max(used), 1.0)
 
     def learning_rate(self, seconds: float) -> float:
