@@ -16,6 +16,8 @@ from transformer.model import Transformer, padding_mask
 
 from .test_model import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
 
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
 
 def test_accelerate_keeps_the_parameters_and_the_state_dict():
     plain = make_model()
@@ -27,21 +29,28 @@ def test_accelerate_keeps_the_parameters_and_the_state_dict():
     assert accelerate(make_model(), RuntimeConfig(fast=False)).__class__ is Transformer
 
 
+def training_step(model: Transformer) -> list[torch.Tensor]:
+    """The loss and every parameter's gradient for one training batch (no dropout)."""
+    src, tgt = random_tokens(3, 7), random_tokens(3, 6)
+    src[2, 5:] = PAD
+    loss = F.cross_entropy(model.train()(src, tgt).flatten(0, 1), tgt.flatten(), label_smoothing=0.1)
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)
 def test_fast_training_step_equals_the_reference(variant):
-    """Forward, loss and gradients of a training batch (no dropout) agree between the runtimes."""
-    results = []
-    for runtime in ("reference", "fast"):
-        model = make_model(runtime, **variant).train()
-        src, tgt = random_tokens(3, 7), random_tokens(3, 6)
-        src[2, 5:] = PAD
-        loss = F.cross_entropy(model(src, tgt).flatten(0, 1), tgt.flatten(), label_smoothing=0.1)
-        loss.backward()
-        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    (ref_loss, ref_grads), (loss, grads) = results
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for got, expected in zip(grads, ref_grads):
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    """Loss and gradients of a training batch agree between the runtimes. Both fp32 runtimes are
+    measured against the reference in float64: the fast one may be off by the tolerance plus four
+    times the reference's own fp32 error, its sensitivity to rounding. So a kernel that sums in
+    another order (oneDNN's choice differs by CPU) passes wherever the reference itself is that
+    uncertain, and nowhere else: for a well-conditioned model that error is ~1e-7."""
+    exact = training_step(make_model("reference", **variant).double())
+    reference, fast = (training_step(make_model(runtime, **variant)) for runtime in ("reference", "fast"))
+    tolerances = [(1e-5, 1e-6)] + [(1e-3, 1e-5)] * (len(exact) - 1)  # the loss, then the gradients
+    for got, ref, truth, (rtol, atol) in zip(fast, reference, exact, tolerances):
+        own_error = (ref.double() - truth).abs().max().item()
+        torch.testing.assert_close(got.double(), truth, rtol=rtol, atol=atol + 4 * own_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
