@@ -8,14 +8,27 @@ import pytest
 import torch
 from torch import nn
 
+import transformer.fast.int8
 from transformer import checkpoint
 from transformer.batching import pad
 from transformer.decoding import DecodeConfig, load_decoder, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast import RuntimeConfig
-from transformer.fast.int8 import Int8Linear, quantize_int8
+from transformer.fast.int8 import Int8Linear, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
 
 from .briefly_trained import multi30k_corpus, trained_model
+
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
+
+@pytest.fixture(autouse=True)
+def int8_is_fast(monkeypatch):
+    """These tests check what int8 computes: the start-up check's timing, which decides whether
+    a loaded machine decodes in int8 at all, is taken as passed (it has its own test below)."""
+    monkeypatch.setattr(transformer.fast.int8, "int8_to_fp32_time", lambda *args: 0.5)
+    kernel_plan.cache_clear()
+    yield
+    kernel_plan.cache_clear()
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +82,58 @@ def test_int8_rows_are_independent_and_close_to_fp32():
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     model = quantize_int8(nn.Sequential(linear))
+    if exact_weight_levels() is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+    assert isinstance(model[0], Int8Linear)
     x = torch.randn(3, 64)
     with torch.no_grad():
         alone, expected = model(x[:1]), linear(x[:1])
         batched = model(torch.cat([x[:1], 100 * x[1:]]))[:1]
     assert torch.equal(alone, batched)
     assert (alone - expected).norm() <= 0.05 * expected.norm()
+
+
+def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows():
+    """On whatever kernel this CPU (or ISA limit) gives, including inputs and weights at their
+    extremes, where kernels that add u8 x s8 pairs in 16 bits saturate: the product equals the
+    integer product of the quantized rows and weights, scaled."""
+    levels = exact_weight_levels()
+    if levels is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        linear.weight[:4] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]  # rows at the extremes
+    x = torch.cat([torch.ones(2, 96), -torch.ones(2, 96), torch.randn(5, 96)])
+    layer = Int8Linear(linear, levels)
+    q_w, w_scale = quantize_rows(linear.weight.detach(), levels)
+    q_x, x_scale = quantize_rows(x)
+    expected = (q_x.double() @ q_w.double().t()) * x_scale.double() * w_scale.double().t()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplog):
+    """Where full-range int8 weights give inexact products the weights are narrowed; where no
+    range is exact, or int8 is slower than fp32, quantize_int8 leaves the model in fp32 and says why."""
+    int8 = transformer.fast.int8
+
+    def plan_with(exact: set[int], ratio: float) -> int8.Int8Plan:
+        monkeypatch.setattr(int8, "exact_products", lambda levels: levels in exact)
+        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda *args: ratio)
+        int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
+        return int8.kernel_plan()
+
+    try:
+        assert plan_with({127, 63}, 0.5).weight_levels == 127
+        assert plan_with({63}, 0.5).weight_levels == int8.NARROW_WEIGHTS
+        assert "saturates" in plan_with({63}, 0.5).reason
+        assert plan_with(set(), 0.5).weight_levels is None
+        slow = plan_with({127}, 3.0)
+        assert slow.weight_levels is None and "3.00x" in slow.reason
+        model = nn.Sequential(nn.Linear(8, 8))
+        with caplog.at_level("WARNING"):
+            assert type(quantize_int8(model)[0]) is nn.Linear
+        assert "decoding stays in fp32" in caplog.text and "3.00x" in caplog.text
+    finally:
+        int8.exact_weight_levels.cache_clear()

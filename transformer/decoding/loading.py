@@ -49,5 +49,6 @@ def load_decoder(
 
 def prepare(model, runtime: RuntimeConfig | None, precision: str):
     """The speed paths on `model`, then for int8 its linear layers quantized."""
+    runtime = runtime or RuntimeConfig()
     model = accelerate(model, runtime)
-    return quantize_int8(model) if precision == "int8" else model
+    return quantize_int8(model, runtime.fast and runtime.onednn) if precision == "int8" else model

@@ -1,6 +1,6 @@
 """int8 decoding on CPU (decode.precision=int8): every linear layer's weight quantized to int8 per
 output channel once, its input quantized per row (per token) at each product, and the product
-computed in int8 by oneDNN (`torch.ops.onednn.qlinear_pointwise`, VNNI or AMX where the CPU has them).
+computed in int8 by oneDNN (`torch.ops.onednn.qlinear_pointwise`).
 
 Why per row: torch's dynamic quantization (`quantize_dynamic`) quantizes a layer's whole input
 with one scale per call, on 7 bits (reduce_range, for FBGEMM's kernels): the scale of a decoding
@@ -8,18 +8,41 @@ step is set by the largest value of any row of the batch (padding included), so 
 output depended on the other sentences batched with it, and its small activations lost most of
 their precision. Here each row is scaled to [-127, 127] by its own maximum, as CTranslate2 does.
 
+Why unsigned activations: the weights are prepacked for inputs of type u8 with a zero point,
+which is what the int8 dot products of x86 CPUs multiply (u8 x s8: VNNI, and AVX2's pairwise
+products). oneDNN's fast kernels (AMX, AVX512-VNNI, AVX2) take that; given s8 inputs, every CPU
+without AMX fell to oneDNN's reference kernel, hundreds of times slower than fp32. So a row
+quantized to q in [-127, 127] is passed as q + 128 with zero point 128: the same product.
+
+Why a check at start-up (`kernel_plan`, once per process): where the CPU lacks VNNI (AVX2, or
+AVX-512 without VNNI), the kernels add pairs of u8 x s8 products in 16 bits, which saturates for
+large weights and inputs: the product is silently wrong. The check multiplies the worst case
+and compares with the exact integer result: where full-range weights are wrong, the weights
+are quantized to [-63, 63], which cannot saturate; where those are wrong too, or where the int8
+layer is slower than the fp32 one, decoding stays in fp32, and the log says why.
+
 The embeddings, and with them the tied output projection, stay fp32, as do norms, softmax and
 the attention products.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
-from .linear import Linear
+from .linear import Linear, PackedWeight, linear
 
-ROW_SCALE = 127.0  # a row's largest magnitude maps to this int8 value
+log = logging.getLogger(__name__)
+
+ROW_SCALE = 127  # a row's largest magnitude maps to this int8 value
+ZERO_POINT = 128  # inputs go to the product as u8: q + 128
+NARROW_WEIGHTS = 63  # weights quantized to [-63, 63]: 2 * 255 * 63 < 2^15, no 16-bit saturation
 
 
 def available() -> bool:
@@ -27,29 +50,62 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per row: x (rows, features) -> int8 values and (rows, 1) scales, x ~ q * scale."""
+def quantize_rows(x: Tensor, levels: int = ROW_SCALE) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row: x (rows, features) -> int8 values in [-levels, levels] and (rows, 1)
+    scales, x ~ q * scale."""
     largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-    return (x * (ROW_SCALE / largest)).round_().to(torch.int8), largest / ROW_SCALE
+    return (x * (levels / largest)).round_().to(torch.int8), largest / levels
+
+
+def quantize_inputs(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows quantized as by quantize_rows, passed as u8 (q + ZERO_POINT), and their (rows, 1) scales.
+    Through int8 and a flip of the sign bit (q + 128 as a byte), as float -> uint8 casts are slow."""
+    largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    q = x.mul(ROW_SCALE / largest).round_().to(torch.int8)
+    return q.view(torch.uint8).bitwise_xor_(ZERO_POINT), largest / ROW_SCALE
+
+
+class SharedInputs:
+    """The quantized input of the last int8 layer called, for the next one if it reads the same
+    tensor (a self-attention's key and value projections read their query projection's input).
+    The tensor is held by a weak reference and checked with its version, so an input changed in
+    place or freed is quantized afresh."""
+
+    def __init__(self):
+        self.last: tuple | None = None
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        last = self.last  # read once: a server's threads may share the model
+        if last is not None and last[0]() is x and last[1] == x._version:
+            return last[2]
+        quantized = quantize_inputs(x.reshape(-1, x.size(-1)).float())
+        self.last = (weakref.ref(x), x._version, quantized)
+        return quantized
+
+
+def _product(q: Tensor, packed: Tensor, w_scale: Tensor, w_zero: Tensor) -> Tensor:
+    """(q - ZERO_POINT) W^T, scaled by the weights' channel scales: (rows, out) in fp32."""
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, packed, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W in int8 (one scale per output channel) and x quantized per row."""
+    """y = x W^T + b with W in int8 (one scale per output channel) and x quantized per row.
+    weight_levels: the weights' largest int8 magnitude (127, or NARROW_WEIGHTS; see kernel_plan);
+    inputs: the model's SharedInputs (each layer its own when not given)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weight_levels: int = ROW_SCALE, inputs: SharedInputs | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, w_scale = quantize_rows(linear.weight.detach().float())
+        weight, w_scale = quantize_rows(linear.weight.detach().float(), weight_levels)
         self.register_buffer("w_scale", w_scale.flatten().contiguous())  # (out,)
         self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32))
         self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None))  # oneDNN's layout
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+        self.inputs = inputs or SharedInputs()
 
     def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        q, scale = quantize_rows(rows)
-        # The product of int8 values, scaled by the weights' channel scales: (rows, out) in fp32.
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, self.packed, self.w_scale, self.w_zero, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+        q, scale = self.inputs(x)
+        y = _product(q, self.packed, self.w_scale, self.w_zero)
         y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -57,13 +113,98 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
+@dataclass(frozen=True)
+class Int8Plan:
+    """What decode.precision=int8 does on this CPU: weight_levels is None where it decodes in fp32."""
+
+    weight_levels: int | None
+    reason: str
+
+
+def exact_products(weight_levels: int) -> bool:
+    """Whether oneDNN's int8 product equals the exact integer product on the cases that saturate a
+    16-bit sum of two u8 x s8 products: all inputs and weights at their extremes, of both signs."""
+    signs = torch.tensor([1, -1, 1, -1])[:, None] * torch.tensor([1, 1, -1, -1])[None, :]
+    x = torch.cat([torch.full((4, 64), ROW_SCALE), torch.randint(-ROW_SCALE, ROW_SCALE + 1, (4, 64))])
+    x[:4] *= signs[0][:, None]
+    w = torch.cat([torch.full((4, 64), weight_levels), torch.randint(-weight_levels, weight_levels + 1, (12, 64))])
+    w[:4] *= signs[:, 0][:, None]
+    packed = torch.ops.onednn.qlinear_prepack(w.to(torch.int8), None)
+    got = _product((x + ZERO_POINT).to(torch.uint8), packed, torch.ones(len(w)), torch.zeros(len(w), dtype=torch.int32))
+    return torch.equal(got.double(), x.double() @ w.double().t())
+
+
+def seconds(fn, x: Tensor, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls of fn(x), after one to warm up."""
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] = (512, 2048)) -> float:
+    """Time of an Int8Linear over that of the fp32 layer it replaces, for a (in, out) `shape`,
+    at the rows of a beam search step."""
+    torch.manual_seed(0)
+    layer = nn.Linear(*shape)
+    int8, packed = Int8Linear(layer, weight_levels), PackedWeight()
+    x = torch.randn(256, shape[0])
+
+    def int8_layer(x: Tensor) -> Tensor:
+        int8.inputs.last = None  # each call quantizes its input, as each layer of a model does
+        return int8(x)
+
+    with torch.no_grad():
+        return seconds(int8_layer, x) / seconds(lambda x: linear(x, layer.weight, layer.bias, packed, onednn=onednn), x)
+
+
+@functools.cache
+def exact_weight_levels() -> int | None:
+    """The widest weight range (127, else NARROW_WEIGHTS) whose int8 products are exact on this
+    CPU, checked once per process; None where neither is."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return next((n for n in (ROW_SCALE, NARROW_WEIGHTS) if exact_products(n)), None)
+
+
+@functools.cache
+def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> Int8Plan:
+    """Checked once per process (and layer shape): the weight range whose int8 products are exact
+    here, and whether an int8 layer of that (in, out) `shape` is at least as fast as the fp32 one
+    (`onednn`: runtime.onednn_linear's choice)."""
+    if not available():
+        return Int8Plan(None, "this torch has no oneDNN quantized linear product")
+    levels = exact_weight_levels()
+    if levels is None:
+        return Int8Plan(None, "oneDNN's int8 product is not exact on this CPU")
+    with torch.random.fork_rng():
+        ratio = int8_to_fp32_time(levels, onednn, shape)
+    note = "" if levels == ROW_SCALE else f" (the int8 product saturates full-range weights here: weights in [-{levels}, {levels}])"  # fmt: skip
+    size = f"a {shape[0]}x{shape[1]} int8 layer took {ratio:.2f}x the fp32 layer's time"
+    if ratio > 1.0:
+        return Int8Plan(None, f"{size} on this CPU{note}")
+    return Int8Plan(levels, f"{size}{note}")
+
+
+def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` (fast/linear.py's `Linear` included) by an
-    Int8Linear; returns `model`."""
+    Int8Linear, where kernel_plan finds int8 exact and fast on this CPU for the model's largest
+    layer; otherwise leave `model` in fp32 and say why. Returns `model`."""
     if not available():
         raise RuntimeError("decode.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if type(child) in (nn.Linear, Linear):
-                setattr(parent, name, Int8Linear(child))
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, Linear)]  # fmt: skip
+    if not layers:
+        return model
+    largest = max((child for _, _, child in layers), key=lambda c: c.in_features * c.out_features)
+    plan = kernel_plan(onednn, (largest.in_features, largest.out_features))
+    if plan.weight_levels is None:
+        log.warning("decode.precision=int8: %s, so decoding stays in fp32", plan.reason)
+        return model
+    log.info("decode.precision=int8: linear layers in int8 on oneDNN; %s", plan.reason)
+    inputs = SharedInputs()
+    for parent, name, child in layers:
+        setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
     return model
