@@ -44,6 +44,21 @@ def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
     return any(flag in cpu_flags(cpuinfo) for flag in BF16_MATMUL_FLAGS)
 
 
+# The CPU features the fast paths depend on (bf16 and int8 matrix instructions, vector widths),
+# and the variables that keep a library below what the CPU has (set before torch is imported).
+CPU_FEATURES = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def describe_cpu() -> str:
+    """One line for logs and bug reports: the CPU features found, what ATen runs, and any limit."""
+    flags = cpu_flags()
+    found = " ".join(f for f in CPU_FEATURES if f in flags) or "none of " + "/".join(CPU_FEATURES)
+    limits = ", ".join(f"{v}={os.environ[v]}" for v in ISA_VARIABLES if os.environ.get(v))
+    line = f"CPU features {found}; ATen kernels {torch.backends.cpu.get_cpu_capability()}"
+    return line + (f"; limited by {limits}" if limits else "")
+
+
 def cpu_runs_avx512() -> bool:
     """Whether torch's CPU kernels run AVX-512 here: the CPU has it and neither ATen
     (ATEN_CPU_CAPABILITY) nor oneDNN (ONEDNN_MAX_CPU_ISA) is kept below it."""

@@ -19,11 +19,15 @@ is worth and where it was measured. The reference model never imports this packa
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from ..devices import cpu_runs_avx512
+from ..devices import cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
 from . import attention, dropout, linear, model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,11 +44,34 @@ class RuntimeConfig:
         CPUs kept to AVX2 they are slower (docs/PERFORMANCE.md), so BLAS is kept."""
         return self.onednn_linear if self.onednn_linear is not None else cpu_runs_avx512()
 
+    def describe(self) -> str:
+        """What this runtime installs on this CPU, and why: one line for the log."""
+        auto = "bf16" if cpu_has_bf16_matmul() else "fp32 (no usable bf16 matrix instructions)"
+        if not self.fast:
+            return f"runtime=reference: the model as written, no speed paths; precision=auto: {auto} | {describe_cpu()}"
+        if self.onednn_linear is None:
+            why = "runtime.onednn_linear=null and AVX-512 runs" if self.onednn else "runtime.onednn_linear=null and no AVX-512"  # fmt: skip
+        else:
+            why = f"runtime.onednn_linear={str(self.onednn_linear).lower()}"
+        return (
+            f"speed paths: fp32 linear layers on {'oneDNN' if self.onednn else 'BLAS'} ({why}); attention "
+            f"kernels and caches; cheap dropout masks{'; chunked loss' if self.chunked_loss else ''}; "
+            f"precision=auto: {auto} | {describe_cpu()}"
+        )
+
+
+@functools.cache
+def log_once(message: str) -> None:
+    """Log `message` the first time it is given in this process (a process builds many models)."""
+    log.info(message)
+
 
 def accelerate(transformer, runtime: RuntimeConfig | None = None):
     """Install the speed paths `runtime` asks for on `transformer` (a Transformer, in place; the
-    same parameters and state dict) and return it. runtime.fast=false leaves it as it is."""
+    same parameters and state dict) and return it. runtime.fast=false leaves it as it is. The
+    first call in a process logs what was installed for this CPU and why."""
     runtime = runtime or RuntimeConfig()
+    log_once(runtime.describe())
     if not runtime.fast:
         return transformer
     linear.install(transformer, runtime.onednn)
