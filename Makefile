@@ -1,6 +1,8 @@
 # make setup: .venv with the CPU build of torch and this project (editable); safe to run again.
 # make train: the default recipe (Multi30k de->en): train, evaluate on the test sets, show samples.
 # make test:  the import contracts (lint-imports), then the test suite.
+# make test-isa: the fast paths' and decoding's tests again under lower instruction sets (AVX2, AVX-512 without
+#             VNNI, AVX-512 with BF16 and no AMX), as on other CPUs; CI runs it after make test.
 # make lint:  ruff and the import contracts.
 # make bench: speed against peer implementations (installs transformers for the HF baseline).
 PYTHON ?= python3
@@ -8,7 +10,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test lint bench
+.PHONY: setup train test test-isa lint bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -25,6 +27,10 @@ train: setup
 test: setup
 	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/python -m pytest || [ $$? -eq 5 ]
+
+# The tests marked isa, once per setting of tests/isa_matrix.py; prints each one's time and the kernels that ran.
+test-isa: setup
+	$(BIN)/python -m tests.isa_matrix
 
 # Training throughput against torch.nn.Transformer and HF MarianMT, then decoding with and without the cache.
 bench: setup

@@ -59,3 +59,15 @@ def tiny_corpus(tmp_path) -> Path:
 def shared_corpus(tmp_path_factory) -> Path:
     """The same slice, shared by the tests that only read it."""
     return make_tiny_corpus(tmp_path_factory.mktemp("shared") / "corpus")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The oneDNN kernels the CPU-dependent fast paths ran (tests/test_kernels.py), and the CPU."""
+    lines = [value for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("skipped", [])
+             for name, value in getattr(report, "user_properties", []) if name == "kernels"]  # fmt: skip
+    if lines:
+        from transformer.devices import describe_cpu
+
+        terminalreporter.write_sep("-", f"kernels ({describe_cpu()})")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)

@@ -10,6 +10,8 @@ from transformer.model import padding_mask
 
 from .test_model import PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
 
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
 @pytest.mark.parametrize("variant", VARIANTS, ids=variant_id)

@@ -25,6 +25,8 @@ from transformer.decoding.beam import best_extensions, stay_in_place
 from transformer.fast import RuntimeConfig, accelerate
 from transformer.model import ModelConfig, Transformer
 
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
 PAD, BOS, EOS = 0, 2, 3
 
 

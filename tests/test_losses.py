@@ -11,6 +11,8 @@ from transformer.fast.loss import projected_cross_entropy
 from transformer.model import ModelConfig, Transformer
 from transformer.training.objective import training_objective
 
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
 
 def padded_problem(dtype=torch.float64, vocab=13, d_model=6):
     torch.manual_seed(0)

@@ -1,0 +1,85 @@
+"""The ISA matrix (`make test-isa`, run by CI after `make test`): the tests marked `isa` (a fast
+path against its reference, the decoding equalities, the kernels each CPU-dependent fast path
+runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
+through their own switches: oneDNN's ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's
+MKL_ENABLE_INSTRUCTIONS. A limit above what the CPU has changes nothing (the table's kernels
+show it). Prints each setting's result, time and kernels; exits 1 if any setting failed.
+
+    python -m tests.isa_matrix                       # every setting
+    python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SETTINGS = {
+    "avx512_core_bf16": (
+        "AVX-512 with VNNI and BF16, no AMX, as an AMD Zen 4 or 5",
+        {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+    ),
+    "avx512_core": (
+        "AVX-512 without VNNI or BF16, as a Skylake-class Xeon",
+        {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    ),
+    "avx2": (
+        "AVX2 only, as an AMD Zen 3 or most laptops",
+        {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    ),
+}
+
+
+def run_setting(name: str, pytest_args: list[str]) -> tuple[bool, float, list[str], str]:
+    """(passed, seconds, kernel lines, pytest's last line) of the isa tests under one setting."""
+    _, limits = SETTINGS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        command = [sys.executable, "-m", "pytest", "-m", "isa", "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
+        start = time.monotonic()
+        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **limits}, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        kernels = []
+        if report.exists():
+            kernels = [p.get("value") for p in ET.parse(report).iter("property") if p.get("name") == "kernels"]
+    output = done.stdout.strip().splitlines()
+    if done.returncode != 0:
+        print(done.stdout[-20000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
+    return done.returncode == 0, seconds, sorted(kernels), output[-1] if output else ""
+
+
+def main(argv: list[str]) -> int:
+    pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    options = dict(a.split("=", 1) for a in (argv[: argv.index("--")] if "--" in argv else argv))
+    names = options.get("settings", ",".join(SETTINGS)).split(",")
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        print(f"error: settings={','.join(unknown)} unknown; choose from {','.join(SETTINGS)}", file=sys.stderr)
+        return 2
+    failed = []
+    for name in names:
+        what, limits = SETTINGS[name]
+        passed, seconds, kernels, summary = run_setting(name, pytest_args)
+        print(f"== {name} ({what}): {' '.join(f'{k}={v}' for k, v in limits.items())}")
+        print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")
+        for line in kernels:
+            print(f"   kernels: {line}")
+        sys.stdout.flush()
+        if not passed:
+            failed.append(name)
+    if failed:
+        print(f"ISA matrix failed under: {', '.join(failed)}")
+        return 1
+    print(f"ISA matrix passed under: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
