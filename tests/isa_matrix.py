@@ -1,9 +1,10 @@
 """The ISA matrix (`make test-isa`, run by CI after `make test`): the tests marked `isa` (a fast
 path against its reference, the decoding equalities, the kernels each CPU-dependent fast path
 runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
-through their own switches: oneDNN's ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's
-MKL_ENABLE_INSTRUCTIONS. A limit above what the CPU has changes nothing (the table's kernels
-show it). Prints each setting's result, time and kernels; exits 1 if any setting failed.
+through their own switches (ISA_LIMITS in transformer/benchmarking.py): oneDNN's
+ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's MKL_ENABLE_INSTRUCTIONS. A limit above
+what the CPU has changes nothing (the kernels listed show it). Prints each setting's result,
+time and kernels; exits 1 if any setting failed.
 
     python -m tests.isa_matrix                       # every setting
     python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
@@ -19,27 +20,21 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from transformer.benchmarking import ISA_LIMITS
+
 ROOT = Path(__file__).resolve().parents[1]
 
+# The settings, in the order they run: ISA_LIMITS's keys, and what CPU each stands for.
 SETTINGS = {
-    "avx512_core_bf16": (
-        "AVX-512 with VNNI and BF16, no AMX, as an AMD Zen 4 or 5",
-        {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-    ),
-    "avx512_core": (
-        "AVX-512 without VNNI or BF16, as a Skylake-class Xeon",
-        {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    ),
-    "avx2": (
-        "AVX2 only, as an AMD Zen 3 or most laptops",
-        {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    ),
+    "avx512_core_bf16": "AVX-512 with VNNI and BF16, no AMX, as an AMD Zen 4 or 5",
+    "avx512_core": "AVX-512 without VNNI or BF16, as a Skylake-class Xeon",
+    "avx2": "AVX2 only, as an AMD Zen 3 or most laptops",
 }
 
 
 def run_setting(name: str, pytest_args: list[str]) -> tuple[bool, float, list[str], str]:
     """(passed, seconds, kernel lines, pytest's last line) of the isa tests under one setting."""
-    _, limits = SETTINGS[name]
+    limits = ISA_LIMITS[name]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
         command = [sys.executable, "-m", "pytest", "-m", "isa", "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
@@ -65,7 +60,7 @@ def main(argv: list[str]) -> int:
         return 2
     failed = []
     for name in names:
-        what, limits = SETTINGS[name]
+        what, limits = SETTINGS[name], ISA_LIMITS[name]
         passed, seconds, kernels, summary = run_setting(name, pytest_args)
         print(f"== {name} ({what}): {' '.join(f'{k}={v}' for k, v in limits.items())}")
         print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")

@@ -24,7 +24,7 @@ RUNTIMES = ["reference", "fast"]
 # identity), by parameter name. DCMHA's gets less: its query- and key-wise terms multiply two
 # dynamic weights, so with 0.3 the composition scaled the scores 40-85 times, which made the
 # gradients so sensitive to rounding that fp32 kernels summing in another order disagreed by 1e-2
-# (docs/lab/2026-12-dcmha-conditioning.md). 0.1 scales them 3-5 times, as in a trained model.
+# (docs/lab/2026-12-01-every-cpu-green.md). 0.1 scales them 3-5 times, as in a trained model.
 VARIANT_NOISE = {"router": 0.3, "stage": 0.3, "query_weights": 0.1, "key_weights": 0.1, ".static": 0.1}
 
 

@@ -26,21 +26,31 @@ from .model import ModelConfig, Transformer
 
 CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
-# The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to the AVX2 instructions,
-# as on a CPU without AVX-512 (most laptops): read when each library starts, so set before torch is imported.
+# The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to lower instruction sets,
+# as on other CPUs: read when each library starts, so set before torch is imported. A limit above
+# what the CPU has changes nothing. Used by the benchmarks' isa= option and by tests/isa_matrix.py.
 ISA_LIMITS = {
-    "avx2": {
+    "avx2": {  # AVX2 only: an AMD Zen 3, most laptops
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
         "CT2_FORCE_CPU_ISA": "AVX2",
-    }
+    },
+    "avx512_core": {  # AVX-512 without VNNI or BF16: a Skylake-class Xeon
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "CT2_FORCE_CPU_ISA": "AVX512",
+    },
+    "avx512_core_bf16": {  # AVX-512 with VNNI and BF16, no AMX: an AMD Zen 4 or 5
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "CT2_FORCE_CPU_ISA": "AVX512",
+    },
 }
 
 
 def limit_isa(isa: str | None, script: str, argv: list[str]) -> None:
-    """With isa="avx2", run `script argv` again in a process whose libraries use no instruction
-    beyond AVX2 (ISA_LIMITS), unless this one already is that process; measurement processes it
+    """With isa="avx2" (or another key of ISA_LIMITS), run `script argv` again in a process whose
+    libraries use no instruction beyond that set, unless this one already is that process; measurement processes it
     starts inherit the limit. isa=None: nothing."""
     if isa is None:
         return
