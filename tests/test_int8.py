@@ -115,25 +115,33 @@ def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows()
 
 def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplog):
     """Where full-range int8 weights give inexact products the weights are narrowed; where no
-    range is exact, or int8 is slower than fp32, quantize_int8 leaves the model in fp32 and says why."""
+    range is exact, int8 stays off; a layer shape that is slower in int8 than in fp32 stays fp32,
+    the others do not; the log says which and why."""
     int8 = transformer.fast.int8
 
-    def plan_with(exact: set[int], ratio: float) -> int8.Int8Plan:
+    def plan_with(exact: set[int], ratio) -> None:
         monkeypatch.setattr(int8, "exact_products", lambda levels: levels in exact)
-        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda *args: ratio)
+        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape: ratio(shape))
         int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
-        return int8.kernel_plan()
 
     try:
-        assert plan_with({127, 63}, 0.5).weight_levels == 127
-        assert plan_with({63}, 0.5).weight_levels == int8.NARROW_WEIGHTS
-        assert "saturates" in plan_with({63}, 0.5).reason
-        assert plan_with(set(), 0.5).weight_levels is None
-        slow = plan_with({127}, 3.0)
-        assert slow.weight_levels is None and "3.00x" in slow.reason
+        plan_with({127, 63}, lambda shape: 0.5)
+        assert int8.kernel_plan().weight_levels == 127
+        plan_with({63}, lambda shape: 0.5)
+        assert int8.kernel_plan().weight_levels == int8.NARROW_WEIGHTS
+        assert "saturates" in int8.describe({(8, 8): int8.kernel_plan(True, (8, 8))})
+        plan_with(set(), lambda shape: 0.5)
+        assert int8.kernel_plan().weight_levels is None
+        plan_with({127}, lambda shape: 3.0 if shape == (8, 16) else 0.5)  # the wider layer is slower in int8
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16))
+        with caplog.at_level("INFO"):
+            quantize_int8(model)
+        assert [type(layer) for layer in model] == [Int8Linear, nn.Linear]
+        assert "8x16 took 3.00x fp32's time" in caplog.text and "8x8 took 0.50x" in caplog.text
+        plan_with({127}, lambda shape: 3.0)
         model = nn.Sequential(nn.Linear(8, 8))
         with caplog.at_level("WARNING"):
             assert type(quantize_int8(model)[0]) is nn.Linear
-        assert "decoding stays in fp32" in caplog.text and "3.00x" in caplog.text
+        assert "decoding stays in fp32" in caplog.text
     finally:
         int8.exact_weight_levels.cache_clear()

@@ -10,7 +10,7 @@ from torch import nn
 
 from transformer.devices import cpu_has_bf16_matmul
 from transformer.fast import RuntimeConfig
-from transformer.fast.int8 import Int8Linear, exact_weight_levels, kernel_plan, quantize_int8
+from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8
 from transformer.fast.linear import AVAILABLE, Linear
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")]
@@ -75,16 +75,16 @@ def test_bf16_autocast_inference_runs_optimized_kernels(capfd, record_property):
 
 def test_int8_layers_run_optimized_kernels_or_stay_fp32(capfd, record_property):
     """Where int8 products are exact here, an Int8Linear runs an optimized u8 x s8 kernel (the
-    start-up check then decides by speed whether decoding uses it); where they are not,
-    quantize_int8 leaves the layers in fp32."""
-    levels, plan = exact_weight_levels(), kernel_plan(RuntimeConfig().onednn)
-    decision = f"start-up check: {plan.reason}, so decode.precision=int8 decodes in {'int8' if plan.weight_levels else 'fp32'}"  # fmt: skip
+    start-up check then decides by speed, shape by shape, whether decoding uses it); where they
+    are not, quantize_int8 leaves the layers in fp32."""
+    levels, shape = exact_weight_levels(), (256, 1024)
+    decision = f"start-up check: {describe({shape: kernel_plan(RuntimeConfig().onednn, shape)})}"
     if levels is None:
         record_property("kernels", f"int8 linear: not used; {decision}")
         assert type(quantize_int8(nn.Sequential(nn.Linear(64, 96)))[0]) is nn.Linear
         return
-    layer = Int8Linear(nn.Linear(64, 96), levels)
+    layer = Int8Linear(nn.Linear(*shape), levels)
     with torch.no_grad():
-        kernels = onednn_kernels(capfd, lambda: layer(torch.randn(12, 64)))
+        kernels = onednn_kernels(capfd, lambda: layer(torch.randn(12, shape[0])))
     check(kernels, record_property, f"int8 linear, weights in [-{levels}, {levels}]; {decision}")
     assert kernels and all("(u8 x s8)" in k for k in kernels)

@@ -21,8 +21,9 @@ and compares with the exact integer result: where full-range weights are wrong, 
 are quantized to [-63, 63], which cannot saturate; where those are wrong too, or where the int8
 layer is slower than the fp32 one, decoding stays in fp32, and the log says why.
 
-The embeddings, and with them the tied output projection, stay fp32, as do norms, softmax and
-the attention products.
+The output projection is int8 too, also where it is tied to the embeddings (an int8 copy; the
+lookup stays fp32): it is the largest product of a decoding step. Norms, softmax and the
+attention products stay fp32.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..model import Transformer
 from .linear import Linear, PackedWeight, linear
 
 log = logging.getLogger(__name__)
@@ -115,10 +117,12 @@ class Int8Linear(nn.Module):
 
 @dataclass(frozen=True)
 class Int8Plan:
-    """What decode.precision=int8 does on this CPU: weight_levels is None where it decodes in fp32."""
+    """What decode.precision=int8 does with a layer shape on this CPU: weight_levels is None where
+    it stays fp32, for `reason`; ratio is an int8 layer's time over the fp32 one's, where timed."""
 
     weight_levels: int | None
     reason: str
+    ratio: float | None = None
 
 
 def exact_products(weight_levels: int) -> bool:
@@ -182,29 +186,51 @@ def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> In
         return Int8Plan(None, "oneDNN's int8 product is not exact on this CPU")
     with torch.random.fork_rng():
         ratio = int8_to_fp32_time(levels, onednn, shape)
-    note = "" if levels == ROW_SCALE else f" (the int8 product saturates full-range weights here: weights in [-{levels}, {levels}])"  # fmt: skip
-    size = f"a {shape[0]}x{shape[1]} int8 layer took {ratio:.2f}x the fp32 layer's time"
     if ratio > 1.0:
-        return Int8Plan(None, f"{size} on this CPU{note}")
-    return Int8Plan(levels, f"{size}{note}")
+        return Int8Plan(None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", ratio)
+    return Int8Plan(levels, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", ratio)
+
+
+def describe(plans: dict[tuple[int, int], Int8Plan]) -> str:
+    """One log line on what quantize_int8 chose for each layer shape, and why."""
+    used = [plan.reason for plan in plans.values() if plan.weight_levels is not None]
+    kept = [plan.reason for plan in plans.values() if plan.weight_levels is None]
+    if not used:
+        return f"decoding stays in fp32: {'; '.join(dict.fromkeys(kept))}"
+    line = f"layers in int8 on oneDNN where faster ({', '.join(used)})"
+    line += f"; kept in fp32 where not ({', '.join(kept)})" if kept else ""
+    if any(plan.weight_levels == NARROW_WEIGHTS for plan in plans.values()):
+        line += f"; weights in [-{NARROW_WEIGHTS}, {NARROW_WEIGHTS}]: this CPU's int8 product saturates full-range ones"
+    return line
+
+
+def tied_projection(model: nn.Module) -> nn.Linear | None:
+    """A Transformer's tied output projection as a linear layer (its weight the embedding's), or None."""
+    if not isinstance(model, Transformer) or model.output is not None:
+        return None
+    projection = nn.Linear(model.cfg.d_model, model.embed.embed.num_embeddings, bias=False)
+    projection.weight = model.embed.embed.weight
+    return projection
 
 
 def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` (fast/linear.py's `Linear` included) by an
-    Int8Linear, where kernel_plan finds int8 exact and fast on this CPU for the model's largest
-    layer; otherwise leave `model` in fp32 and say why. Returns `model`."""
+    Int8Linear, and give a Transformer with a tied output projection an int8 one (the embedding
+    lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
+    CPU; the others stay fp32, and the log says which and why. Returns `model`."""
     if not available():
         raise RuntimeError("decode.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, Linear)]  # fmt: skip
-    if not layers:
-        return model
-    largest = max((child for _, _, child in layers), key=lambda c: c.in_features * c.out_features)
-    plan = kernel_plan(onednn, (largest.in_features, largest.out_features))
-    if plan.weight_levels is None:
-        log.warning("decode.precision=int8: %s, so decoding stays in fp32", plan.reason)
-        return model
-    log.info("decode.precision=int8: linear layers in int8 on oneDNN; %s", plan.reason)
+    tied = tied_projection(model)
+    if tied is not None:
+        layers.append((model, "output", tied))
+    plans = {shape: kernel_plan(onednn, shape) for shape in sorted({(c.in_features, c.out_features) for _, _, c in layers})}  # fmt: skip
     inputs = SharedInputs()
     for parent, name, child in layers:
-        setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
+        plan = plans[child.in_features, child.out_features]
+        if plan.weight_levels is not None:
+            setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
+    if plans:
+        fp32 = all(plan.weight_levels is None for plan in plans.values())
+        log.log(logging.WARNING if fp32 else logging.INFO, "decode.precision=int8: %s", describe(plans))
     return model
