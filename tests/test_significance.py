@@ -27,10 +27,19 @@ def small(baseline, system, references, seed=7):
 
 
 def test_identical_systems_do_not_differ(references):
+    """p = 1 is compare's correction for a difference of exactly 0, where sacreBLEU's tests give
+    their smallest p-value (they count only resamples strictly above the observed difference); a
+    system that differs in one sentence keeps sacreBLEU's own p-values."""
     system = damaged(references[:20]) + references[20:]
     for result in small(system, list(system), references):
         assert result.difference == 0 and result.low == 0 == result.high
         assert result.p_bootstrap == 1.0 and result.p_randomization == 1.0
+    sacre = paired_test("bs", system, list(system), references, False, 200, seed=7)
+    assert all(pair[1].p_value == pytest.approx(1 / 201) for pair in sacre.values())  # why the correction exists
+    one_more = system[:19] + references[19:]
+    sacre = paired_test("ar", system, one_more, references, False, 500, seed=7)
+    for result, (name, pair) in zip(small(system, one_more, references), sacre.items()):
+        assert result.difference != 0 and result.p_randomization == pair[1].p_value < 1.0, name
 
 
 def test_the_references_are_significantly_better_than_a_damaged_copy(references):
@@ -47,9 +56,12 @@ def test_swapping_the_systems_negates_the_difference_and_keeps_the_p_values(refe
         assert forward.p_randomization == pytest.approx(backward.p_randomization, abs=0.05)
 
 
-def test_a_seed_repeats_a_comparison_exactly(references):
+def test_a_seed_repeats_a_comparison_exactly_and_another_seed_resamples(references):
     a, b = damaged(references[:25]) + references[25:], references[:10] + damaged(references[10:])
     assert small(a, b, references, seed=3) == small(a, b, references, seed=3)
+    for one, other in zip(small(a, b, references, seed=3), small(a, b, references, seed=4)):
+        assert one.difference == other.difference  # the systems' scores do not depend on the seed
+        assert (one.low, one.high, one.p_bootstrap, one.p_randomization) != (other.low, other.high, other.p_bootstrap, other.p_randomization)  # fmt: skip
 
 
 def test_the_difference_interval_comes_from_sacrebleus_own_resamples(references):
