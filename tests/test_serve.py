@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import socket
 import threading
@@ -14,9 +15,12 @@ import time
 
 import httpx
 import pytest
+import torch
+from fastapi.testclient import TestClient
 
+from transformer import checkpoint
 from transformer.decoding import DecodeConfig, Hypothesis
-from transformer.serving import Batcher
+from transformer.serving import Batcher, ServeLimits, Translator, create_app
 
 from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
 
@@ -128,8 +132,10 @@ def test_every_bad_request_gets_its_4xx_json_error_and_the_server_goes_on(server
 
 
 def test_health_metrics_and_the_page(server):
+    assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60), "never ready"
     health = httpx.get(server.url + "/health").json()
-    assert health["model_loaded"] and health["device"] == "cpu" and health["language_pair"] == "de->en"
+    assert health["status"] == "ok" and health["model_loaded"] is True and "error" not in health
+    assert health["device"] == "cpu" and health["language_pair"] == "de->en"
     assert health["limits"]["max_lines"] == 8
     text = httpx.get(server.url + "/metrics").text
     for name in ("serve_requests_total", "serve_sentences_total", "serve_batch_sentences_bucket",
@@ -138,6 +144,36 @@ def test_health_metrics_and_the_page(server):
     page = httpx.get(server.url + "/")
     assert page.status_code == 200 and 'id="translate"' in page.text
     assert httpx.get(server.url + "/static/app.js").status_code == 200
+
+
+def loaded_translator(model_path) -> Translator:
+    """The checkpoint as serve.py loads it, in this process, with short translations."""
+    model, tokenizer, _ = checkpoint.load_model(model_path, torch.device("cpu"))
+    return Translator(model, tokenizer, "cpu", DecodeConfig(max_len_a=0.5, max_len_b=6))
+
+
+def test_health_is_503_until_the_model_has_decoded_a_sentence(model_path):
+    translator, released = loaded_translator(model_path), threading.Event()
+    decode = translator.translate
+    translator.translate = lambda sources, settings: released.wait(60) and decode(sources, settings)
+    with TestClient(create_app(translator, ServeLimits())) as client:  # runs the app's startup here
+        loading = client.get("/health")
+        assert loading.status_code == 503 and loading.json()["status"] == "loading", loading.json()
+        assert loading.json()["model_loaded"] is False
+        released.set()
+        assert wait_for(lambda: client.get("/health").status_code == 200, timeout=60)
+        assert client.get("/health").json()["model_loaded"] is True
+
+
+def test_health_is_503_with_the_error_when_the_model_cannot_decode(model_path):
+    translator = loaded_translator(model_path)
+    with torch.no_grad():
+        translator.model.embed.embed.weight.fill_(math.nan)  # as a diverged training run leaves it
+    with TestClient(create_app(translator, ServeLimits())) as client:
+        assert wait_for(lambda: client.get("/health").json()["status"] != "loading", timeout=60)
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "error", health.json()
+        assert health.json()["model_loaded"] is False and "check sentence" in health.json()["error"]
 
 
 def test_alignment_is_a_distribution_over_the_source_for_each_target_token(server, sentences):

@@ -33,8 +33,10 @@ def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.batcher.start()
+        check = asyncio.create_task(service.check_model())  # /health answers 503 until it is done
         yield
         service.batcher.close()  # uvicorn has answered every request in flight by now
+        await check
 
     app = FastAPI(title="Transformer translation", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -50,11 +52,24 @@ def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
 
 
 class Service:
-    """What the endpoints share: the model, the batcher in front of it, the limits and the metrics."""
+    """What the endpoints share: the model, the batcher in front of it, the limits and the metrics.
+    `model_loaded` turns true once the model has decoded a sentence (`model_error` if it could not)."""
 
     def __init__(self, translator: Translator, limits: ServeLimits):
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
         self.batcher = Batcher(translator.translate, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
+        self.model_loaded, self.model_error = False, None
+
+    async def check_model(self) -> None:
+        """Decode one sentence off the event loop, as requests are; the server is ready once it has."""
+        try:
+            await asyncio.to_thread(self.translator.check)
+        except Exception as e:
+            self.model_error = f"{type(e).__name__}: {e}"
+            log.error("the model cannot decode; /health answers 503: %s", self.model_error, exc_info=e)
+            return
+        self.model_loaded = True
+        log.info("the model decodes: ready")
 
     async def count(self, request: Request, call_next) -> Response:
         """Count every answer by path and status; a bug of ours is logged once and answered 500."""
@@ -98,11 +113,14 @@ class Service:
         except QueueFull as e:
             raise RequestError(429, "queue_full", str(e)) from None
 
-    async def health(self) -> dict:
+    async def health(self) -> JSONResponse:
+        """Readiness: 200 once the model has decoded a sentence; 503 before ("loading") and when it
+        could not ("error", with the error)."""
         t = self.translator
-        return {
-            "status": "ok",
-            "model_loaded": True,
+        status = "ok" if self.model_loaded else "error" if self.model_error else "loading"
+        body = {
+            "status": status,
+            "model_loaded": self.model_loaded,
             "device": str(t.device),
             "language_pair": t.language_pair,
             "decoder_layers": t.n_layers,
@@ -110,6 +128,9 @@ class Service:
             "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
             "limits": asdict(self.limits),
         }
+        if self.model_error:
+            body["error"] = self.model_error
+        return JSONResponse(body, 200 if self.model_loaded else 503)
 
     async def prometheus(self) -> Response:
         self.metrics.queue.set(len(self.batcher))

@@ -5,6 +5,7 @@ sentence pair for the web page's heatmap."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import torch
@@ -49,6 +50,17 @@ class Translator:
         for i, hyps in zip(todo, n_best):
             out[i] = hyps
         return out
+
+    def check(self) -> None:
+        """Decode one short sentence as a request is decoded, with the server's settings; raises
+        when the model cannot: an error, no hypothesis (a model with NaN weights ends none), or a
+        log-probability that is not a finite number."""
+        sources = self.encode(["Hello."])
+        if not sources[0]:
+            raise RuntimeError("the tokenizer encodes the check sentence 'Hello.' to no tokens")
+        log_probs = [h.log_prob for h in self.translate(sources, self.decode)[0]]
+        if not log_probs or not all(math.isfinite(p) for p in log_probs):
+            raise RuntimeError(f"the check sentence 'Hello.' decoded to {len(log_probs)} hypotheses, log-probabilities {log_probs}")  # fmt: skip
 
     def texts(self, hypotheses: list[Hypothesis]) -> list[str]:
         return self.tokenizer.decode([h.tokens for h in hypotheses])
