@@ -1,11 +1,14 @@
 """CTranslate2 export: for each block kind, a briefly trained model exported float32 translates as
 our own decoding does (greedy token for token; beam 5 wherever our search ended with EOS before
-the length limit); models CTranslate2 cannot express, and outputs that would be overwritten, are
+the length limit), and exported int8 scores our translations as our float32 model does, within
+quantization error; models CTranslate2 cannot express, and outputs that would be overwritten, are
 refused with one error line."""
 
+import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from transformer import checkpoint
 from transformer.decoding import DecodeConfig, translate_ids
@@ -35,9 +38,22 @@ def corpus():
     return multi30k_corpus()
 
 
+@pytest.fixture(scope="module")
+def trained(corpus):
+    """trained_model(corpus, KINDS[kind]) by kind, each trained once for the float32 and int8 tests."""
+    models = {}
+
+    def model_of(kind: str):
+        if kind not in models:
+            models[kind] = trained_model(corpus, KINDS[kind])
+        return models[kind]
+
+    return model_of
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_exported_model_decodes_as_ours(kind, corpus, tmp_path):
-    model, tokenizer = trained_model(corpus, KINDS[kind])
+def test_exported_model_decodes_as_ours(kind, corpus, trained, tmp_path):
+    model, tokenizer = trained(kind)
     export(model, tokenizer, tmp_path / "ct2", "float32")
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="float32")
     sources = tokenizer.source.encode(corpus[0][:24])  # sentences it was trained on: it ends them
@@ -52,6 +68,39 @@ def test_exported_model_decodes_as_ours(kind, corpus, tmp_path):
         assert len(compared) >= len(sources) // 4, f"{cfg.label}: {len(compared)} translations end before the limit"
         mismatched = [i for i in compared if ours[i] != theirs[i]]
         assert not mismatched, f"{cfg.label}: sentence {mismatched[0]}: ours {ours[mismatched[0]]}, ctranslate2 {theirs[mismatched[0]]}"  # fmt: skip
+
+
+def token_log_probs(model, tokenizer, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
+    """Our model's log-probability of each target token and of the EOS after it, teacher-forced."""
+    out = []
+    with torch.no_grad():
+        for src, tgt in zip(sources, targets):
+            gold = torch.tensor(tgt + [tokenizer.eos_id])
+            logits = model(torch.tensor([src + [tokenizer.eos_id]]), torch.tensor([[tokenizer.bos_id] + tgt]))
+            out.append(logits[0].log_softmax(-1)[torch.arange(len(gold)), gold].tolist())  # (tgt_len + 1,)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_int8_export_scores_our_translations_as_our_float32_model_does(kind, corpus, trained, tmp_path):
+    """Per-token log-probabilities rather than translations: greedy search on a tiny model parts
+    ways at near-ties that int8 rounding tips (about half the sentences), and CTranslate2 picks its
+    int8 kernels by CPU. The tolerance is several times the rounding error; a model exported with
+    its weights scrambled is off by whole nats."""
+    model, tokenizer = trained(kind)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    export(model, tokenizer, tmp_path / "ct2", "int8")  # quantizes copies, not the model's own weights
+    assert [name for name, t in model.state_dict().items() if not torch.equal(t, before[name])] == []
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", compute_type="int8")
+    sources = tokenizer.source.encode(corpus[0][:24])
+    targets = [hyps[0].tokens for hyps in translate_ids(model, sources, tokenizer, DecodeConfig(strategy="greedy"), "cpu")]  # fmt: skip
+    ours = token_log_probs(model, tokenizer, sources, targets)
+    source_pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in sources]
+    target_pieces = [[tokenizer.id_to_piece(t) for t in s] for s in targets]
+    theirs = [r.log_probs for r in translator.score_batch(source_pieces, target_pieces, max_input_length=0)]
+    assert [len(lp) for lp in theirs] == [len(lp) for lp in ours]  # each token and the EOS
+    errors = [abs(a - b) for mine, its in zip(ours, theirs) for a, b in zip(mine, its)]
+    assert statistics.mean(errors) < 0.1 and max(errors) < 1.0, f"|log p(int8) - log p(ours)|: mean {statistics.mean(errors):.3f}, max {max(errors):.3f} over {len(errors)} tokens"  # fmt: skip
 
 
 def test_export_directory_holds_tokenizers_and_note(corpus, tmp_path):

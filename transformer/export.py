@@ -108,7 +108,9 @@ def set_config(config, model: Transformer, tokenizer: Tokenizer) -> None:
 
 
 def weight(t: Tensor) -> Tensor:
-    return t.detach().float().cpu().contiguous()
+    """A float32 CPU copy, never a view: spec.optimize(quantization="int8") scales the spec's arrays
+    in place as it quantizes them, and through a view would scale the exported model's own weights."""
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
 
 
 def set_linear(spec, *linears: nn.Linear) -> None:
