@@ -5,7 +5,8 @@ milliseconds after a validation is logged, while its checkpoints are being writt
 
     python -m tests.kill_probe kills=10 seed=0 out=/tmp/probe experiment=smoke trainer.max_steps=300 ...
 
-Prints one line per kill and the verdict; exits 1 when the runs differ. Too slow for the test suite.
+Prints one line per kill and the verdict; exits 1 when the runs differ, and when no kill landed (the
+run ended before the first one: nothing was tested). Too slow for the test suite.
 """
 
 import random
@@ -52,6 +53,9 @@ def main(argv: list[str]) -> int:
     options = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ("kills", "seed", "out"))
     overrides = [a for a in argv if a.split("=", 1)[0] not in options]
     kills, rng, out = int(options.get("kills", 10)), random.Random(int(options.get("seed", 0))), Path(options["out"])
+    if kills < 1:
+        print(f"kills={kills} must be >= 1")
+        return 2
     started = time.monotonic()
     subprocess.run(command(out / "uninterrupted", overrides), cwd=ROOT, check=True, capture_output=True)
     seconds = time.monotonic() - started
@@ -66,6 +70,10 @@ def main(argv: list[str]) -> int:
         done += 1
         when = f"at {delay:.1f}s" if delay else "after a validation"
         print(f"kill {done}: {when}, last line: {last[:100]}")
+    if done == 0:
+        print(f"NO KILL LANDED: the run ended before the first kill (it takes {seconds:.0f}s; the first kill "
+              "comes 5 s or more after its start), so nothing was tested; give it a longer run (trainer.max_steps)")  # fmt: skip
+        return 1
     result = subprocess.run(command(run_dir, overrides), cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         print(result.stderr[-2000:])
@@ -75,7 +83,8 @@ def main(argv: list[str]) -> int:
     except AssertionError as e:
         print(f"DIFFERENT after {done} kills: {e}")
         return 1
-    print(f"identical after {done} kills: weights, best and numbered checkpoints, metrics.jsonl line for line")
+    fewer = f" (of {kills}: the run ended before the rest)" if done < kills else ""
+    print(f"identical after {done} kills{fewer}: weights, best and numbered checkpoints, metrics.jsonl line for line")
     return 0
 
 
