@@ -51,6 +51,7 @@ def trained(corpus):
     return model_of
 
 
+@pytest.mark.isa  # CTranslate2 picks its kernels by CPU too (CT2_FORCE_CPU_ISA in ISA_LIMITS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_exported_model_decodes_as_ours(kind, corpus, trained, tmp_path):
     model, tokenizer = trained(kind)
@@ -81,6 +82,7 @@ def token_log_probs(model, tokenizer, sources: list[list[int]], targets: list[li
     return out
 
 
+@pytest.mark.isa  # CTranslate2 picks its kernels by CPU too (CT2_FORCE_CPU_ISA in ISA_LIMITS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_export_scores_our_translations_as_our_float32_model_does(kind, corpus, trained, tmp_path):
     """Per-token log-probabilities rather than translations: greedy search on a tiny model parts
