@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import transformer.fast.linear
 from transformer.benchmarking import ISA_LIMITS
+from transformer.devices import ONEDNN_ISAS_BELOW_AVX512
 from transformer.fast import RuntimeConfig, accelerate
 from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear
 from transformer.model import ModelConfig, Transformer
@@ -85,8 +86,7 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
 def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
     """runtime.onednn_linear=null (the default) turns the oneDNN path on only where torch runs
     AVX-512 kernels; in a process kept to AVX2 it is off, and bf16 autocast is not chosen."""
-    below_avx512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")  # oneDNN's limits under AVX-512
-    onednn_avx512 = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in below_avx512
+    onednn_avx512 = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_BELOW_AVX512
     assert RuntimeConfig().onednn == (torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_avx512)
     code = (
         "from transformer.fast import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"

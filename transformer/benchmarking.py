@@ -20,11 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import SinusoidalPositions
-from .devices import cpu_flags
+from .devices import CPU_FEATURES, cpu_flags
 from .fast import accelerate
 from .model import ModelConfig, Transformer
-
-CPU_FLAGS_OF_INTEREST = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 # The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to lower instruction sets,
 # as on other CPUs: read when each library starts, so set before torch is imported. A limit above
@@ -79,7 +77,7 @@ def hardware() -> dict:
         info["cpu"] = fields.get("model name", "")
         # A virtual machine may name only the brand ("AMD EPYC"); family and model tell generations apart.
         info["cpu_family_model"] = f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}"
-        info["cpu_features"] = [f for f in CPU_FLAGS_OF_INTEREST if f in flags]
+        info["cpu_features"] = [f for f in CPU_FEATURES if f in flags]
     except OSError:
         info["cpu"] = platform.processor()
     if torch.cuda.is_available():

@@ -24,6 +24,7 @@ def pick_device(name: str) -> torch.device:
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")  # Intel AMX tiles; AVX512-BF16 dot products (Intel, AMD Zen 4+)
 # oneDNN's ONEDNN_MAX_CPU_ISA values below AVX512-BF16: a process kept to one of them has no bf16 matrix instructions
 ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+ONEDNN_ISAS_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -62,7 +63,7 @@ def describe_cpu() -> str:
 def cpu_runs_avx512() -> bool:
     """Whether torch's CPU kernels run AVX-512 here: the CPU has it and neither ATen
     (ATEN_CPU_CAPABILITY) nor oneDNN (ONEDNN_MAX_CPU_ISA) is kept below it."""
-    limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+    limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_BELOW_AVX512
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and not limited
 
 
