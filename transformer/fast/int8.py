@@ -18,8 +18,9 @@ Why a check at start-up (`kernel_plan`, once per process): where the CPU lacks V
 AVX-512 without VNNI), the kernels add pairs of u8 x s8 products in 16 bits, which saturates for
 large weights and inputs: the product is silently wrong. The check multiplies the worst case
 and compares with the exact integer result: where full-range weights are wrong, the weights
-are quantized to [-63, 63], which cannot saturate; where those are wrong too, or where the int8
-layer is slower than the fp32 one, decoding stays in fp32, and the log says why.
+are quantized to [-63, 63], which cannot saturate; where those are wrong too, decoding stays in
+fp32. Then each layer shape is timed: a shape whose int8 layer is slower than its fp32 one stays
+fp32. The log says what was chosen and why.
 
 The output projection is int8 too, also where it is tied to the embeddings (an int8 copy; the
 lookup stays fp32): it is the largest product of a decoding step. Norms, softmax and the
@@ -62,9 +63,8 @@ def quantize_rows(x: Tensor, levels: int = ROW_SCALE) -> tuple[Tensor, Tensor]:
 def quantize_inputs(x: Tensor) -> tuple[Tensor, Tensor]:
     """Rows quantized as by quantize_rows, passed as u8 (q + ZERO_POINT), and their (rows, 1) scales.
     Through int8 and a flip of the sign bit (q + 128 as a byte), as float -> uint8 casts are slow."""
-    largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
-    q = x.mul(ROW_SCALE / largest).round_().to(torch.int8)
-    return q.view(torch.uint8).bitwise_xor_(ZERO_POINT), largest / ROW_SCALE
+    q, scale = quantize_rows(x)
+    return q.view(torch.uint8).bitwise_xor_(ZERO_POINT), scale
 
 
 class SharedInputs:
@@ -118,11 +118,10 @@ class Int8Linear(nn.Module):
 @dataclass(frozen=True)
 class Int8Plan:
     """What decode.precision=int8 does with a layer shape on this CPU: weight_levels is None where
-    it stays fp32, for `reason`; ratio is an int8 layer's time over the fp32 one's, where timed."""
+    it stays fp32; `reason` says why, or how much faster int8 was."""
 
     weight_levels: int | None
     reason: str
-    ratio: float | None = None
 
 
 def exact_products(weight_levels: int) -> bool:
@@ -186,9 +185,7 @@ def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> In
         return Int8Plan(None, "oneDNN's int8 product is not exact on this CPU")
     with torch.random.fork_rng():
         ratio = int8_to_fp32_time(levels, onednn, shape)
-    if ratio > 1.0:
-        return Int8Plan(None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", ratio)
-    return Int8Plan(levels, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", ratio)
+    return Int8Plan(levels if ratio <= 1.0 else None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time")
 
 
 def describe(plans: dict[tuple[int, int], Int8Plan]) -> str:
