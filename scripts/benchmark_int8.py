@@ -12,7 +12,6 @@ check chose (the line translate.py logs). Prints the CPU's features first.
 
 from __future__ import annotations
 
-import gzip
 import os
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import sacrebleu
 
 from transformer.benchmarking import ISA_LIMITS
 from transformer.cli import parse_args, setup_logging
+from transformer.data import corpus_file, read_lines, write_lines
 from transformer.devices import describe_cpu
 from transformer.errors import exit_on_user_error
 
@@ -51,11 +51,6 @@ class Int8BenchConfig:
             raise ValueError(f"rounds={self.rounds} must be >= 1")
 
 
-def read_lines(path: Path) -> list[str]:
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
 def translate(cfg: Int8BenchConfig, isa: str, precision: str, source: Path, output: Path) -> tuple[float, str]:
     """(seconds, int8's start-up line or "") of one translate.py process."""
     env = {**os.environ, **ISA_LIMITS.get(isa, {})}
@@ -75,13 +70,13 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, Int8BenchConfig, __doc__)
         data = Path(cfg.data_dir)
-        references = read_lines(data / f"{cfg.split}.{cfg.tgt_lang}.gz")
+        references = read_lines(corpus_file(data, cfg.split, cfg.tgt_lang))
         print(f"{describe_cpu()}; {len(references)} lines of {cfg.split}, beam {cfg.beam_size}, {cfg.rounds} rounds in turns")  # fmt: skip
         print("| setting | fp32 s | int8 s | int8 / fp32 | BLEU fp32 | BLEU int8 | int8's start-up check |")
         print("|---|---:|---:|---:|---:|---:|---|")
         with tempfile.TemporaryDirectory() as tmp:
             source = Path(tmp) / "source.txt"
-            source.write_text("\n".join(read_lines(data / f"{cfg.split}.{cfg.src_lang}.gz")) + "\n", encoding="utf-8")
+            write_lines(source, read_lines(corpus_file(data, cfg.split, cfg.src_lang)))
             for isa in cfg.isas:
                 times, bleu, plan = {"fp32": [], "int8": []}, {}, ""
                 for _ in range(cfg.rounds):
