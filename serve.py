@@ -27,7 +27,7 @@ from transformer.checkpoint import direction, language_pair
 from transformer.cli import parse_args, setup_logging
 from transformer.decoding import DecodeConfig, load_decoder
 from transformer.errors import ConfigError, exit_on_user_error
-from transformer.fast import RuntimeConfig
+from transformer.runtime import RuntimeConfig
 from transformer.serving import ServeLimits, Translator, create_app, run
 
 log = logging.getLogger("serve")

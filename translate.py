@@ -46,9 +46,9 @@ from transformer.decoding import (
 )
 from transformer.decoding.alignment import align_translations
 from transformer.errors import exit_on_user_error
-from transformer.fast import RuntimeConfig
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
+from transformer.runtime import RuntimeConfig
 
 log = logging.getLogger("translate")
 

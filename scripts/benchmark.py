@@ -141,7 +141,7 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
     """Our model and the trainer's loss; the flags as trainer.compile and trainer.recompute,
     `block` more ModelConfig fields (BLOCKS), `runtime` the fields of a RuntimeConfig (default:
     every speed path, each where it is chosen by default)."""
-    from transformer.fast import RuntimeConfig
+    from transformer.runtime import RuntimeConfig
     from transformer.training.objective import training_objective
 
     runtime = RuntimeConfig(**runtime)

@@ -60,11 +60,12 @@ from transformer.decoding import DecodeConfig, Uncached, translate_ids
 from transformer.devices import cpu_has_bf16_matmul, pick_device
 from transformer.errors import exit_on_user_error
 from transformer.export import export
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.fast.int8 import quantize_int8
 from transformer.fast.linear import AVAILABLE as ONEDNN_AVAILABLE
 from transformer.files import atomic_write_text, check_output
 from transformer.model import ModelConfig, Transformer, count_parameters
+from transformer.runtime import RuntimeConfig
 from transformer.tokenizer import Tokenizer
 
 

@@ -23,7 +23,7 @@ from transformer.data import read_lines, read_parallel
 from transformer.decoding import load_decoder
 from transformer.decoding.alignment import align, alignment_error, read_pharaoh, transformers
 from transformer.errors import DataError, exit_on_user_error
-from transformer.fast import RuntimeConfig
+from transformer.runtime import RuntimeConfig
 
 
 @dataclass

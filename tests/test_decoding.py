@@ -22,8 +22,9 @@ from transformer.decoding import (
 from transformer.decoding import beam as beam_module
 from transformer.decoding import search as search_module
 from transformer.decoding.beam import best_extensions, stay_in_place
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
+from transformer.runtime import RuntimeConfig
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 

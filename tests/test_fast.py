@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from transformer.attention import Rotary, scaled_dot_product_attention
 from transformer.decoding import DecodeConfig, beam_search, greedy
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.fast.attention import fast_attention, product_attention
 from transformer.fast.encoding import length_groups
 from transformer.fast.model import FastRotary, FastTransformer
 from transformer.model import Transformer, padding_mask
+from transformer.runtime import RuntimeConfig
 
 from .test_model import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
 

@@ -13,8 +13,8 @@ from transformer import checkpoint
 from transformer.batching import pad
 from transformer.decoding import DecodeConfig, load_decoder, translate_ids
 from transformer.errors import ConfigError
-from transformer.fast import RuntimeConfig
 from transformer.fast.int8 import Int8Linear, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
+from transformer.runtime import RuntimeConfig
 
 from .briefly_trained import multi30k_corpus, trained_model
 

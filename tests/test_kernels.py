@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from transformer.devices import cpu_has_bf16_matmul
-from transformer.fast import RuntimeConfig
 from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8
 from transformer.fast.linear import AVAILABLE, Linear
+from transformer.runtime import RuntimeConfig
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")]
 

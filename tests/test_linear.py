@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import transformer.fast.linear
 from transformer.benchmarking import ISA_LIMITS
 from transformer.devices import ONEDNN_ISAS_BELOW_AVX512
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear
 from transformer.model import ModelConfig, Transformer
+from transformer.runtime import RuntimeConfig
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")]
 
@@ -89,7 +90,7 @@ def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
     onednn_avx512 = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_BELOW_AVX512
     assert RuntimeConfig().onednn == (torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_avx512)
     code = (
-        "from transformer.fast import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"
+        "from transformer.runtime import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"
         "print(R().onednn, R(onednn_linear=True).onednn, R(onednn_linear=False).onednn, b())"
     )
     env = {**os.environ, **ISA_LIMITS["avx2"]}
@@ -102,8 +103,8 @@ def test_importing_changes_nothing_and_accelerate_bounds_the_primitive_caches():
     for, as a CPU kept to AVX2 does not choose it) sets the cache bounds the user has not set."""
     env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
     code = (
-        "import os, transformer.fast as F, transformer.model as M; print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES]);"
-        "F.accelerate(M.Transformer(M.ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=16)), F.RuntimeConfig(onednn_linear=True)); print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES])"
+        "import os, transformer.fast as F, transformer.model as M, transformer.runtime as R; print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES]);"
+        "F.accelerate(M.Transformer(M.ModelConfig(vocab_size=20, d_model=16, n_heads=2, d_ff=16)), R.RuntimeConfig(onednn_linear=True)); print(*[os.environ.get(v) for v in F.linear.CACHE_VARIABLES])"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split("\n")[:2] == ["None None", f"{CACHE_CAPACITY} {CACHE_CAPACITY}"]

@@ -9,10 +9,11 @@ from torch import nn
 from transformer.attention import MultiHeadAttention
 from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.fast import attention as fast_attention
 from transformer.fast import linear as fast_linear
 from transformer.model import ModelConfig, Transformer, causal_mask, padding_mask
+from transformer.runtime import RuntimeConfig
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 

@@ -14,9 +14,10 @@ from transformer.config import Config, ConfigError
 from transformer.data import DataConfig
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul, require_cpp_compiler
-from transformer.fast import RuntimeConfig, accelerate
+from transformer.fast import accelerate
 from transformer.fast.linear import refresh_packed_weights_after
 from transformer.model import ModelConfig, Transformer
+from transformer.runtime import RuntimeConfig
 from transformer.tokenizer import Tokenizer
 from transformer.training import Trainer, run
 from transformer.training.config import TrainerConfig

@@ -16,7 +16,7 @@ from .checkpoint import direction, language_pair
 from .config import to_config
 from .data import DataConfig, corpus_file
 from .errors import ConfigError
-from .fast import RuntimeConfig
+from .runtime import RuntimeConfig
 
 
 def parse_args(argv: list[str], schema: type, doc: str):

@@ -18,8 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from .data import DataConfig
 from .decoding import DecodeConfig
 from .errors import ConfigError
-from .fast import RuntimeConfig
 from .model import ModelConfig
+from .runtime import RuntimeConfig
 from .training.config import TrainerConfig
 
 

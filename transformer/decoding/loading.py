@@ -8,9 +8,10 @@ from pathlib import Path
 from ..checkpoint import direction, language_pair, load_model, same_direction
 from ..devices import pick_device
 from ..errors import ConfigError
-from ..fast import RuntimeConfig, accelerate
+from ..fast import accelerate
 from ..fast.int8 import available as int8_available
 from ..fast.int8 import quantize_int8
+from ..runtime import RuntimeConfig
 from .models import Ensemble
 
 

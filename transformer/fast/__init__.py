@@ -21,43 +21,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Optional
 
-from ..devices import cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
+from ..runtime import RuntimeConfig
 from . import attention, dropout, linear, model
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RuntimeConfig:
-    fast: bool = True  # false: the reference model exactly as written (runtime=reference)
-    onednn_linear: Optional[bool] = None  # oneDNN for CPU fp32 linear layers (fast/linear.py); null: with AVX-512
-    fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
-    chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
-
-    @property
-    def onednn(self) -> bool:
-        """Whether fp32 linear layers run on oneDNN: as onednn_linear says, or when it is null
-        (the default), where the CPU runs AVX-512. There oneDNN's products beat torch's BLAS; on
-        CPUs kept to AVX2 they are slower (docs/PERFORMANCE.md), so BLAS is kept."""
-        return self.onednn_linear if self.onednn_linear is not None else cpu_runs_avx512()
-
-    def describe(self) -> str:
-        """What this runtime installs on this CPU, and why: one line for the log."""
-        auto = "bf16" if cpu_has_bf16_matmul() else "fp32 (no usable bf16 matrix instructions)"
-        if not self.fast:
-            return f"runtime=reference: the model as written, no speed paths; precision=auto: {auto} | {describe_cpu()}"
-        if self.onednn_linear is None:
-            why = "runtime.onednn_linear=null and AVX-512 runs" if self.onednn else "runtime.onednn_linear=null and no AVX-512"  # fmt: skip
-        else:
-            why = f"runtime.onednn_linear={str(self.onednn_linear).lower()}"
-        return (
-            f"speed paths: fp32 linear layers on {'oneDNN' if self.onednn else 'BLAS'} ({why}); attention "
-            f"kernels and caches; cheap dropout masks{'; chunked loss' if self.chunked_loss else ''}; "
-            f"precision=auto: {auto} | {describe_cpu()}"
-        )
 
 
 @functools.cache

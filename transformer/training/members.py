@@ -30,8 +30,8 @@ from ..data import clean_training_pairs, load_split, write_lines
 from ..decoding import load_decoder, translate_corpus
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..evaluation import score
-from ..fast import RuntimeConfig
 from ..files import write_texts
+from ..runtime import RuntimeConfig
 from ..tokenizer import Tokenizer
 from .experiment import evaluate_tests, hypotheses_path, report, run_one, train_tokenizer
 from .resume import GracefulStop

@@ -1,0 +1,42 @@
+"""The runtime: which speed paths (transformer/fast/) a model runs with, `runtime.*` in the configs.
+
+It is a plain setting, read by every command; the speed package itself is imported only where the
+paths are installed (transformer.fast.accelerate), so configs and the reference model never load it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .devices import cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
+
+
+@dataclass
+class RuntimeConfig:
+    fast: bool = True  # false: the reference model exactly as written (runtime=reference)
+    onednn_linear: Optional[bool] = None  # oneDNN for CPU fp32 linear layers (fast/linear.py); null: with AVX-512
+    fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
+    chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
+
+    @property
+    def onednn(self) -> bool:
+        """Whether fp32 linear layers run on oneDNN: as onednn_linear says, or when it is null
+        (the default), where the CPU runs AVX-512. There oneDNN's products beat torch's BLAS; on
+        CPUs kept to AVX2 they are slower (docs/PERFORMANCE.md), so BLAS is kept."""
+        return self.onednn_linear if self.onednn_linear is not None else cpu_runs_avx512()
+
+    def why_onednn(self) -> str:
+        if self.onednn_linear is None:
+            return "runtime.onednn_linear=null and " + ("AVX-512 runs" if self.onednn else "no AVX-512")
+        return f"runtime.onednn_linear={str(self.onednn_linear).lower()}"
+
+    def describe(self) -> str:
+        """What this runtime chooses on this CPU, and why: one line for the log."""
+        auto = "bf16" if cpu_has_bf16_matmul() else "fp32 (no usable bf16 matrix instructions)"
+        if not self.fast:
+            return f"runtime=reference: the model as written, no speed paths; precision=auto: {auto} | {describe_cpu()}"
+        return (
+            f"runtime=fast: fp32 linear layers on {'oneDNN' if self.onednn else 'BLAS'} ({self.why_onednn()}); "
+            f"chunked loss {'on' if self.chunked_loss else 'off'}; precision=auto: {auto} | {describe_cpu()}"
+        )
