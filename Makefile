@@ -35,8 +35,8 @@ test-isa: setup
 # Training throughput against torch.nn.Transformer and HF MarianMT, then decoding with and without the cache.
 bench: setup
 	$(BIN)/python -m pip install --quiet -e ".[dev,bench]"
-	$(BIN)/python scripts/benchmark.py rounds=3 output=outputs/benchmark.json
-	$(BIN)/python scripts/benchmark_decoding.py output=outputs/benchmark_decoding.json
+	$(BIN)/python benchmarks/benchmark.py rounds=3 output=outputs/benchmark.json
+	$(BIN)/python benchmarks/benchmark_decoding.py output=outputs/benchmark_decoding.json
 
 lint: setup
 	$(BIN)/ruff check .

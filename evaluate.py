@@ -4,9 +4,9 @@
     python evaluate.py checkpoint=PATH split=test_2017_flickr decode.strategy=greedy
     python evaluate.py checkpoint=PATH src=newstest.de ref=newstest.en lowercase=true
 
-Arguments (key=value, as for train.py):
+Arguments (key=value and config groups, composed by Hydra from configs/ as for train.py):
     checkpoint=PATH   ensemble=[PATH,...]   device=auto|cpu|cuda
-    runtime.fast=true false: decode with the reference model, without the speed paths
+    runtime=fast|reference  reference: the model as written, without the speed paths
     split=NAME        a split of the training run's corpus (data.dir and languages from the checkpoint;
                       override with data_dir=, src_lang=, tgt_lang=)
     src=PATH ref=PATH a source file and its reference translations instead of a split
@@ -15,7 +15,7 @@ Arguments (key=value, as for train.py):
     compare=PATH      another system's translations of the same source: paired bootstrap and approximate
                       randomization tests against it (sacreBLEU), with the difference's 95% confidence interval
     compare_seed=12345  the tests' random draws
-    decode.*          as for translate.py (default: beam search, beam 5)
+    decode=beam|greedy|sample, decode.*   as for translate.py (default: beam search, beam 5)
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import Optional
 
 from transformer.cli import ScoringInputs, parse_args, setup_logging, source_and_reference
 from transformer.data import read_parallel, write_lines
-from transformer.decoding import DecodeConfig, load_decoder, translate
+from transformer.decoding import DecodeConfig
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import check_output
 from transformer.monitoring import progress_bar
 from transformer.significance import compare
+from transformer.translator import Translator
 
 
 @dataclass
@@ -52,11 +53,9 @@ class EvaluateConfig(ScoringInputs):
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
-        cfg = parse_args(argv, EvaluateConfig, __doc__)
-        device, model, tokenizer, payload = load_decoder(
-            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
-        )
-        src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
+        cfg = parse_args(argv, EvaluateConfig, __doc__, "evaluate")
+        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
+        src_path, ref_path = source_and_reference(cfg, translator.payload.get("train_config", {}))
         label = cfg.decode.label
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
         inputs = [cfg.checkpoint, *cfg.ensemble, src_path, ref_path, cfg.compare]
@@ -64,7 +63,7 @@ def main(argv: list[str]) -> None:
         sources, references = read_parallel(src_path, ref_path)
         baseline = None if cfg.compare is None else read_parallel(Path(cfg.compare), ref_path)[0]
         with progress_bar(len(sources), "evaluate") as bar:
-            hyps = translate(model, sources, tokenizer, cfg.decode, device, bar, source_name=str(src_path))
+            hyps = translator.translate(sources, progress=bar, source_name=str(src_path))
         write_lines(output, hyps)
         scores = score(hyps, references, lowercase=cfg.lowercase)
         print(scores.summary(f"{src_path.name} -> {ref_path.name} {label}"))

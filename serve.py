@@ -3,8 +3,9 @@
     python serve.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt            # http://127.0.0.1:8000/
     python serve.py checkpoint=PATH port=8080 host=0.0.0.0 decode.beam_size=4 limits.max_wait_ms=10
 
-Arguments (key=value, as for translate.py):
-    checkpoint=PATH  ensemble=[PATH,...]  device=auto|cpu|cuda  runtime.fast=true  decode.*
+Arguments (key=value and config groups, composed by Hydra from configs/ as for translate.py):
+    checkpoint=PATH  ensemble=[PATH,...]  device=auto|cpu|cuda  runtime=fast|reference
+    decode=beam|greedy|sample, decode.*   decode.precision=int8 serves the int8 model (CPU)
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
@@ -23,12 +24,12 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from transformer.checkpoint import direction, language_pair
 from transformer.cli import parse_args, setup_logging
-from transformer.decoding import DecodeConfig, load_decoder
+from transformer.decoding import DecodeConfig
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.runtime import RuntimeConfig
-from transformer.serving import ServeLimits, Translator, create_app, run
+from transformer.serving import ServeLimits, create_app, run
+from transformer.translator import Translator
 
 log = logging.getLogger("serve")
 
@@ -68,14 +69,13 @@ def listen(host: str, port: int) -> socket.socket:
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
-        cfg = parse_args(argv, ServeConfig, __doc__)
+        cfg = parse_args(argv, ServeConfig, __doc__, "serve")
         sock = listen(cfg.host, cfg.port)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
-    pair = language_pair(payload.get("train_config"))
-    translator = Translator(model, tokenizer, device, cfg.decode, direction(pair) if pair else None)
+        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
     app = create_app(translator, cfg.limits)
     host, port = sock.getsockname()[:2]
-    log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, device)
+    where = f"{translator.device}, decode.precision={cfg.decode.precision}"
+    log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)
     run(app, sock, cfg.access_log, cfg.drain_seconds)
 
 

@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.config import register_schema, to_config
+from transformer.config import hydra_error_line, register_schema, to_config
 from transformer.errors import exit_on_user_error
 
 
@@ -42,19 +42,6 @@ def hydra_errors_in_one_line():
     except HydraException as e:
         print(f"error: {hydra_error_line(e)}", file=sys.stderr)
         sys.exit(2)
-
-
-def hydra_error_line(e: HydraException) -> str:
-    lines = str(e).strip().splitlines()
-    first = lines[0]
-    if first.endswith("raised while composing config:") and len(lines) > 1:  # a bad key or value in a YAML file
-        where = first.split(":")[0]  # In 'experiment/NAME'
-        key = next((line.split("full_key:")[1].strip() for line in lines if "full_key:" in line), None)
-        first = f"{where}: " + (f"config key {key}: " if key else "") + lines[1].strip()
-    options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
-    detail = f" ({str(e.__cause__).strip().splitlines()[0]})" if e.__cause__ else ""
-    detail += f"; available: {', '.join(options)}" if options else ""
-    return first + detail
 
 
 if __name__ == "__main__":

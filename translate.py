@@ -4,7 +4,7 @@
     python translate.py checkpoint=PATH input=input.de output=output.en decode.beam_size=5 device=cpu
     python translate.py checkpoint=PATH interactive=true      # type a sentence, read its translation
 
-Arguments (key=value, as for train.py):
+Arguments (key=value and config groups, composed by Hydra from configs/ as for train.py):
     checkpoint=PATH            a checkpoint written by train.py (the tokenizer is inside it)
     ensemble=[PATH,...]        more checkpoints with the same tokenizer; probabilities are averaged
     input=PATH output=PATH     default: stdin and stdout
@@ -12,7 +12,9 @@ Arguments (key=value, as for train.py):
                                and output follows a pipe as its lines arrive
     interactive=true           translate each line as it arrives (the default when stdin is a terminal)
     device=auto|cpu|cuda
-    runtime.fast=true          false: decode with the reference model, without the speed paths
+    runtime=fast|reference     reference: the model as written, without the speed paths
+    decode=beam|greedy|sample  a decoding preset (configs/decode/); then decode.beam_size=5 etc.
+    decode.precision=fp32|bf16|fp16|auto|int8
     decode.strategy=beam|greedy|sample   decode.beam_size=5   decode.length_penalty=0.6
     decode.n_best=N            N > 1 writes N lines per input: index <TAB> score <TAB> translation
     decode.max_tokens=8192     source tokens per batch
@@ -36,19 +38,12 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
-from transformer.decoding import (
-    DecodeConfig,
-    Hypothesis,
-    load_decoder,
-    split_constraints,
-    split_prefixes,
-    translate_texts,
-)
-from transformer.decoding.alignment import align_translations
+from transformer.decoding import DecodeConfig, Hypothesis, split_constraints, split_prefixes
 from transformer.errors import exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
 from transformer.runtime import RuntimeConfig
+from transformer.translator import Translator
 
 log = logging.getLogger("translate")
 
@@ -94,9 +89,9 @@ def output_stream(path: Path | None) -> Iterator[Callable[[list[str]], None]]:
         yield lambda lines: f.write("".join(line + "\n" for line in lines).encode("utf-8"))
 
 
-def warn_if_target_language(path: str | None, payload: dict) -> None:
+def warn_if_target_language(path: str | None, translator: Translator) -> None:
     """An input file named in the language the model translates into is likely the wrong file."""
-    pair = language_pair(payload.get("train_config"))
+    pair = language_pair(translator.payload.get("train_config"))
     if pair and file_language(path) == pair[1] and pair[1] not in pair[0]:
         log.warning("input=%s looks like %s, the language the checkpoint translates into (%s)", path, pair[1], direction(pair))  # fmt: skip
 
@@ -113,30 +108,28 @@ def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int =
     return [f"{i}\t{h.score:.4f}\t{t}" for i, (hyps, ts) in enumerate(zip(n_best, texts), first) for h, t in zip(hyps, ts)]  # fmt: skip
 
 
-def translate_chunk(cfg: TranslateConfig, model, tokenizer, device, lines: list[str], bar, name: str, count: int) -> list[str]:  # fmt: skip
+def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[str], bar, name: str, count: int) -> list[str]:  # fmt: skip
     """The output lines of one chunk of input lines, the first of them line count + 1 of `name`."""
     first = count + 1
     lines, prefixes = split_prefixes(lines, name, first) if cfg.prefix else (lines, None)
     lines, constraints = split_constraints(lines, name, first) if cfg.constraints else (lines, None)
-    n_best = translate_texts(model, lines, tokenizer, cfg.decode, device, bar, name, first, prefixes, constraints)
-    alignments = align_translations(model, lines, n_best, tokenizer, cfg.decode, device) if cfg.decode.alignment else None  # fmt: skip
-    return output_lines(n_best, tokenizer, cfg.decode.n_best, count, alignments)
+    n_best = translator.translate_texts(lines, None, bar, name, first, prefixes, constraints)
+    alignments = translator.align(lines, n_best) if cfg.decode.alignment else None
+    return output_lines(n_best, translator.tokenizer, cfg.decode.n_best, count, alignments)
 
 
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
-        cfg = parse_args(argv, TranslateConfig, __doc__)
+        cfg = parse_args(argv, TranslateConfig, __doc__, "translate")
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
-        device, model, tokenizer, payload = load_decoder(
-            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
-        )
-        warn_if_target_language(cfg.input, payload)
+        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
+        warn_if_target_language(cfg.input, translator)
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:
             for lines in input_chunks(cfg):  # each chunk's translations written before the next is read
-                write(translate_chunk(cfg, model, tokenizer, device, lines, bar, name, count))
+                write(translate_chunk(cfg, translator, lines, bar, name, count))
                 count += len(lines)
         if not count:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")

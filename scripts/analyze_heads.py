@@ -19,8 +19,8 @@ from typing import Optional
 from transformer.cli import parse_args
 from transformer.decoding import DecodeConfig
 from transformer.errors import exit_on_user_error
-from transformer.fast import accelerate
 from transformer.files import atomic_open, check_output
+from transformer.runtime import RuntimeConfig
 
 
 @dataclass
@@ -33,6 +33,7 @@ class HeadsConfig:
     output: Optional[str] = None  # PNG; default: next to the checkpoint
     device: str = "cpu"
     decode: DecodeConfig = field(default_factory=lambda: DecodeConfig(strategy="greedy"))
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
         if self.sentences < 1:
@@ -68,15 +69,15 @@ def output_paths(cfg: HeadsConfig, data) -> tuple[Path, Path]:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, HeadsConfig, __doc__)
+        from transformer.analysis.heads import head_confidence, head_importance, masked_bleu, prune_least_important
+        from transformer.analysis.plotting import head_heatmap, plt
         from transformer.batching import tokenize
-        from transformer.checkpoint import load_model
         from transformer.data import load_split
-        from transformer.heads import head_confidence, head_importance, masked_bleu, prune_least_important
-        from transformer.plotting import head_heatmap, plt
+        from transformer.translator import Translator
 
-        model, tokenizer, payload = load_model(Path(cfg.checkpoint), cfg.device)
-        model = accelerate(model)
-        data = data_config(cfg, payload)
+        translator = Translator.load(cfg.checkpoint, [], cfg.device, cfg.decode, cfg.runtime)
+        model, tokenizer = translator.model, translator.tokenizer
+        data = data_config(cfg, translator.payload)
         output, confidence_output = output_paths(cfg, data)
         ds = load_split(data, cfg.split)
         corpus = tokenize(ds.select(range(min(cfg.sentences, len(ds)))), tokenizer)

@@ -37,15 +37,15 @@ from transformer.batching import collate, token_batches, tokenize
 from transformer.cli import parse_args, setup_logging
 from transformer.config import Config, to_config
 from transformer.data import load_split
-from transformer.decoding import DecodeConfig, translate_corpus
+from transformer.decoding import DecodeConfig
 from transformer.devices import pick_device
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
-from transformer.fast import accelerate
 from transformer.files import atomic_write_text, check_output, same_file
-from transformer.gqa import convert_to_gqa, kv_cache_bytes_per_token
+from transformer.interop.gqa import convert_to_gqa, kv_cache_bytes_per_token
 from transformer.training import Trainer
 from transformer.training.experiment import prepare_data
+from transformer.translator import Translator
 
 log = logging.getLogger("convert_to_gqa")
 
@@ -73,11 +73,10 @@ class ConvertConfig:
 
 
 def bleu_scores(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, device) -> dict[str, float]:
-    model.eval()
-    scores = {}
+    translator, scores = Translator.of_training(model, tokenizer, cfg.decode), {}
     for split in cfg.splits:
         corpus = tokenize(load_split(train_cfg.data, split), tokenizer)
-        hyps = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
+        hyps = translator.translate_corpus(corpus)
         result = score(hyps, corpus.tgt_text)
         scores[split] = result.bleu
         log.info("%s", result.summary(f"{split} {cfg.decode.label}"))
@@ -121,8 +120,8 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, ConvertConfig, __doc__)
         device = pick_device(cfg.device)
-        model, tokenizer, payload = checkpoint.load_model(Path(cfg.checkpoint), device)
-        model = accelerate(model)
+        loaded = Translator.load(cfg.checkpoint, [], str(device), cfg.decode)
+        model, tokenizer, payload = loaded.model, loaded.tokenizer, loaded.payload
         train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, cfg.checkpoint)))
         try:
             converted_model_check = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)

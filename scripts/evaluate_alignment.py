@@ -20,10 +20,10 @@ from pathlib import Path
 
 from transformer.cli import parse_args, setup_logging
 from transformer.data import read_lines, read_parallel
-from transformer.decoding import load_decoder
 from transformer.decoding.alignment import align, alignment_error, read_pharaoh, transformers
 from transformer.errors import DataError, exit_on_user_error
 from transformer.runtime import RuntimeConfig
+from transformer.translator import Translator
 
 
 @dataclass
@@ -47,8 +47,9 @@ def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, AlignmentConfig, __doc__)
-        device, model, tokenizer, payload = load_decoder(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime)
-        data = payload.get("train_config", {}).get("data", {})
+        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, runtime=cfg.runtime)
+        model, tokenizer, device = translator.model, translator.tokenizer, translator.device
+        data = translator.payload.get("train_config", {}).get("data", {})
         sources, targets, gold = read_gold(Path(cfg.gold), data.get("src_lang", "de"), data.get("tgt_lang", "en"))
         src_ids, tgt_ids = tokenizer.source.encode(sources), tokenizer.encode(targets)
         print(f"{len(gold)} sentence pairs, {sum(len(g) for g in gold)} gold links; {cfg.checkpoint}")

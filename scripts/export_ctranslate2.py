@@ -24,7 +24,7 @@ from pathlib import Path
 from transformer.checkpoint import direction, language_pair, load_model
 from transformer.cli import parse_args
 from transformer.errors import exit_on_user_error
-from transformer.export import QUANTIZATIONS, check_exportable, check_output_dir, export, require_ctranslate2
+from transformer.interop.export import QUANTIZATIONS, check_exportable, check_output_dir, export, require_ctranslate2
 
 
 @dataclass

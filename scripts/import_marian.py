@@ -29,7 +29,7 @@ from transformer.cli import parse_args
 from transformer.config import Config
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import check_output
-from transformer.marian import read_marian
+from transformer.interop.marian import read_marian
 from transformer.model import count_parameters
 
 

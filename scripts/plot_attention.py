@@ -18,6 +18,7 @@ from typing import Optional
 from transformer.cli import parse_args
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_open, check_output, writing
+from transformer.runtime import RuntimeConfig
 
 
 @dataclass
@@ -32,16 +33,15 @@ class PlotConfig:
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, PlotConfig, __doc__)
-        from transformer.checkpoint import load_model
-        from transformer.decoding import DecodeConfig, translate_ids
+        from transformer.decoding import DecodeConfig
         from transformer.plotting import attention_figures, plt
+        from transformer.translator import Translator
 
-        model, tokenizer, _ = load_model(Path(cfg.checkpoint), cfg.device)
+        translator = Translator.load(cfg.checkpoint, [], cfg.device, DecodeConfig(strategy="greedy"), RuntimeConfig(fast=False))  # fmt: skip
+        model, tokenizer = translator.model, translator.tokenizer
         src_ids = tokenizer.source.encode([cfg.sentence])[0]
         if cfg.target is None:
-            tgt_ids = translate_ids(model, [src_ids], tokenizer, DecodeConfig(strategy="greedy"), cfg.device)[0][
-                0
-            ].tokens
+            tgt_ids = translator.translate_ids([src_ids])[0][0].tokens
         else:
             tgt_ids = tokenizer.encode([cfg.target])[0]
         print(f"target: {tokenizer.decode([tgt_ids])[0]}")

@@ -33,10 +33,11 @@ from typing import Optional
 
 from transformer.cli import ScoringInputs, parse_args, setup_logging, source_and_reference
 from transformer.data import read_parallel
-from transformer.decoding import DecodeConfig, load_decoder, translate
+from transformer.decoding import DecodeConfig
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
+from transformer.translator import Translator
 
 log = logging.getLogger("tune_decoding")
 METRICS = ("bleu", "bleu_lc", "chrf")
@@ -89,12 +90,12 @@ def table(rows: list[dict], metric: str, best: dict) -> str:
     return "\n".join(lines)
 
 
-def scan(cfg: TuneConfig, model, tokenizer, device, src_path: Path, ref_path: Path) -> tuple[list[dict], dict]:
+def scan(cfg: TuneConfig, translator: Translator, src_path: Path, ref_path: Path) -> tuple[list[dict], dict]:
     """Decode the source with every grid point: (one row of scores per point, the signatures)."""
     sources, references = read_parallel(src_path, ref_path)
     rows, signatures = [], {}
     for decode_cfg in grid(cfg):
-        hyps = translate(model, sources, tokenizer, decode_cfg, device, source_name=str(src_path))
+        hyps = translator.translate(sources, decode_cfg, source_name=str(src_path))
         cased, lowercased = score(hyps, references), score(hyps, references, lowercase=True)
         signatures = {"bleu": cased.bleu_signature, "bleu_lc": lowercased.bleu_signature, "chrf": cased.chrf_signature}
         rows.append(
@@ -116,13 +117,11 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, TuneConfig, __doc__)
         check(cfg)
-        device, model, tokenizer, payload = load_decoder(
-            cfg.checkpoint, cfg.ensemble, cfg.device, cfg.runtime, cfg.decode.precision
-        )
-        src_path, ref_path = source_and_reference(cfg, payload.get("train_config", {}))
+        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
+        src_path, ref_path = source_and_reference(cfg, translator.payload.get("train_config", {}))
         default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.decoding.json")
         output = check_output(cfg.output or default_output, [cfg.checkpoint, *cfg.ensemble, src_path, ref_path])
-        rows, signatures = scan(cfg, model, tokenizer, device, src_path, ref_path)
+        rows, signatures = scan(cfg, translator, src_path, ref_path)
         best = max(rows, key=lambda r: r[cfg.metric])  # max keeps the first of equals: the grid's order
         result = {
             "checkpoint": cfg.checkpoint,

@@ -1,7 +1,7 @@
 """The ISA matrix (`make test-isa`, run by CI after `make test`): the tests marked `isa` (a fast
 path against its reference, the decoding equalities, the kernels each CPU-dependent fast path
 runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
-through their own switches (ISA_LIMITS in transformer/benchmarking.py): oneDNN's
+through their own switches (ISA_LIMITS in transformer/devices.py): oneDNN's
 ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's MKL_ENABLE_INSTRUCTIONS. A limit above
 what the CPU has changes nothing (the kernels listed show it). Prints each setting's result,
 time and kernels; exits 1 if any setting failed.
@@ -20,7 +20,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from transformer.benchmarking import ISA_LIMITS
+from transformer.devices import ISA_LIMITS
 
 ROOT = Path(__file__).resolve().parents[1]
 

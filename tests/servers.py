@@ -103,7 +103,7 @@ def translate_py(*args: str, stdin: str) -> subprocess.CompletedProcess:
 
 
 def run_entry(script: str, argv: list[str]) -> int:
-    """The exit status of main(argv) of serve.py or scripts/NAME.py, run in this process."""
+    """The exit status of main(argv) of serve.py or a script (scripts/NAME.py, benchmarks/NAME.py), run in this process."""
     import importlib.util
 
     name = "entry_" + script.replace("/", "_").removesuffix(".py")

@@ -16,9 +16,7 @@ from transformer.attention_variants import (
 from transformer.decoding import DecodeConfig, Uncached, beam_search, greedy
 from transformer.model import ModelConfig, Transformer, count_parameters
 
-from .test_model import make_model, random_tokens
-
-PAD, BOS, EOS = 0, 2, 3
+from .conftest import BOS, EOS, make_model, random_tokens
 
 VARIANTS = {
     "moh": {"attention": AttentionConfig(kind="moh", shared_heads=1, top_k=2)},
@@ -133,7 +131,7 @@ def test_moh_training_loss_includes_the_weighted_balance_loss():
 
 
 # --- Properties every variant keeps: causality, padding and cached decoding are checked for
-# every variant in test_model.py (its VARIANTS); beam search here.
+# every variant of VARIANTS in conftest.py by test_model.py; beam search here.
 
 
 @pytest.mark.parametrize("variant", ["moh", "dcmha", "overlap", "modern"])

@@ -21,6 +21,8 @@ from transformer import checkpoint
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.e2e  # every test reads the checkpoints of a train.py run
+
 SCRIPTS = {}  # path relative to the repository -> its module, imported once
 
 
@@ -124,10 +126,10 @@ CASES = [
     Case("scripts/tune_decoding.py", f"{SCORE} output={{d}}/ref.en", "output={d}/ref.en is one of the inputs"),
     Case("scripts/plot_curves.py", "runs=[{d}/run] output={d}/run/metrics.jsonl", "output={d}/run/metrics.jsonl", {"run/metrics.jsonl": METRICS}),  # fmt: skip
     Case("scripts/analyze_heads.py", f"{CKPT} data_dir={{corpus}} output={{d}}/other.pt", "output={d}/other.pt is an existing checkpoint"),  # fmt: skip
-    Case("scripts/benchmark_decoding.py", f"{CKPT} output={{d}}/model.pt", "output={d}/model.pt"),
-    Case("scripts/benchmark.py", "output={d}/model.pt", "output={d}/model.pt is an existing checkpoint"),
+    Case("benchmarks/benchmark_decoding.py", f"{CKPT} output={{d}}/model.pt", "output={d}/model.pt"),
+    Case("benchmarks/benchmark.py", "output={d}/model.pt", "output={d}/model.pt is an existing checkpoint"),
     Case("scripts/plot_attention.py", f"{CKPT} sentence=Hund output_dir={{d}}/in.de", "output_dir={d}/in.de is not a directory"),  # fmt: skip
-    Case("scripts/evaluate_budgets.py", "run={d}/run", "{d}/run/budgets.json is an existing checkpoint", {"run/metrics.jsonl": METRICS, "run/checkpoint_4.pt": "other.pt", "run/budgets.json": "model.pt"}),  # fmt: skip
+    Case("scripts/lab/evaluate_budgets.py", "run={d}/run", "{d}/run/budgets.json is an existing checkpoint", {"run/metrics.jsonl": METRICS, "run/checkpoint_4.pt": "other.pt", "run/budgets.json": "model.pt"}),  # fmt: skip
     # 2. an output in a directory that does not exist, or that is a directory
     Case(T, f"{CKPT} input={{d}}/in.de output={{d}}/missing/out.en", "the directory {d}/missing does not exist"),
     Case(T, f"{CKPT} input={{d}}/in.de output={{d}}/adir", "output={d}/adir is a directory", {"adir": DIR}),
@@ -137,8 +139,8 @@ CASES = [
     Case("scripts/tune_decoding.py", f"{SCORE} output={{d}}/missing/x.json", "the directory {d}/missing"),
     Case("scripts/plot_curves.py", "runs=[{d}/run] output={d}/missing/c.png", "the directory {d}/missing", {"run/metrics.jsonl": METRICS}),  # fmt: skip
     Case("scripts/analyze_heads.py", f"{CKPT} data_dir={{corpus}} output={{d}}/missing/h.png", "the directory {d}/missing"),
-    Case("scripts/benchmark_decoding.py", f"{CKPT} output={{d}}/missing/b.json", "the directory {d}/missing"),
-    Case("scripts/benchmark.py", "output={d}/missing/b.json", "the directory {d}/missing does not exist"),
+    Case("benchmarks/benchmark_decoding.py", f"{CKPT} output={{d}}/missing/b.json", "the directory {d}/missing"),
+    Case("benchmarks/benchmark.py", "output={d}/missing/b.json", "the directory {d}/missing does not exist"),
     # 3. input and output failures of the operating system
     Case(T, f"{CKPT} input={{d}}/in.de output=/dev/full", "cannot write /dev/full: No space left on device"),
     Case(T, f"{CKPT} input={{d}}/adir", "cannot read {d}/adir", {"adir": DIR}),
@@ -164,7 +166,7 @@ CASES = [
     Case("scripts/plot_attention.py", "checkpoint={d}/garbage_tokenizer.pt sentence=Hund output_dir={d}/att", "{d}/garbage_tokenizer.pt"),  # fmt: skip
     Case("scripts/analyze_heads.py", "checkpoint={d}/no_train_config.pt", "{d}/no_train_config.pt has no train_config"),
     Case("scripts/convert_to_gqa.py", "checkpoint={d}/no_train_config.pt", "{d}/no_train_config.pt has no train_config"),
-    Case("scripts/benchmark_decoding.py", "checkpoint={d}/adir", "{d}/adir is a directory", {"adir": DIR}),
+    Case("benchmarks/benchmark_decoding.py", "checkpoint={d}/adir", "{d}/adir is a directory", {"adir": DIR}),
     # 5. bytes on standard input that are not UTF-8
     Case(T, CKPT, "standard input:2: line is not valid UTF-8", stdin=b"Ein Hund.\n\xff\xfe\n"),
     Case(T, CKPT, "standard input:1: line is not valid UTF-8", stdin="Grüße\n".encode("latin-1")),

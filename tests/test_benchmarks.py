@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
 
 
+@pytest.mark.e2e
 def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_rounds(tmp_path):
     out = tmp_path / "bench.json"
     args = [
@@ -22,7 +25,7 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
         f"output={out}",
     ]
     result = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "benchmarks/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -44,7 +47,7 @@ def test_only_ours_runs_with_the_packages_openmp_spin(monkeypatch):
 
     from transformer import openmp
 
-    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "benchmarks" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, benchmark)  # its dataclasses look their module up there
     spec.loader.exec_module(benchmark)
@@ -55,12 +58,18 @@ def test_only_ours_runs_with_the_packages_openmp_spin(monkeypatch):
         assert "GOMP_SPINCOUNT" not in benchmark.child_environment(impl)
 
 
+@pytest.mark.e2e
 def test_training_benchmark_refuses_compiling_without_the_cpp_compiler_before_measuring(tmp_path):
     env = {**os.environ, "CXX": "no-such-c++-compiler"}
     args = ["implementations=[ours-compile]", "presets=[small]", "precisions=[fp32]", "steps=1", "rounds=1"]
     args.append(f"batches={tmp_path / 'missing.pt'}")  # without the check, the measurement fails on this instead
     result = subprocess.run(
-        [sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "benchmarks/benchmark.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("error: ours-compile needs a C++ compiler")
@@ -68,13 +77,14 @@ def test_training_benchmark_refuses_compiling_without_the_cpp_compiler_before_me
     assert result.stdout == ""  # nothing measured or printed before the refusal
 
 
+@pytest.mark.e2e
 def test_isa_avx2_reruns_the_script_with_its_libraries_kept_to_avx2(tmp_path):
     """benchmark*.py isa=avx2: the measuring process (and those it starts) run as on a CPU without
     AVX-512; ATen reports the capability it dispatches to."""
     script = tmp_path / "probe.py"
     script.write_text(
         "import sys, torch\n"
-        "from transformer.benchmarking import isa_limit, limit_isa\n"
+        "from transformer.devices import isa_limit, limit_isa\n"
         "limit_isa('avx2', __file__, sys.argv[1:])\n"
         "print(isa_limit(), torch.backends.cpu.get_cpu_capability(), *sys.argv[1:])\n"
     )
@@ -83,14 +93,15 @@ def test_isa_avx2_reruns_the_script_with_its_libraries_kept_to_avx2(tmp_path):
     assert result.stdout.split() == ["avx2", "AVX2", "a=1"]
 
 
+@pytest.mark.e2e
 def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
     """Part 3 of benchmark_decoding.py: CTranslate2 decodes the exported model in a child process,
     which reports the seconds of one timed batch; a failure there names its compute type."""
     import pytest
 
     pytest.importorskip("ctranslate2")
-    from transformer.benchmarking import CTranslate2InChild
-    from transformer.export import export
+    from common import CTranslate2InChild  # benchmarks/common.py (pyproject.toml: pytest's pythonpath)
+    from transformer.interop.export import export
 
     from .briefly_trained import multi30k_corpus, trained_model
 

@@ -8,7 +8,7 @@ import torch
 from transformer.fast import attention
 from transformer.model import padding_mask
 
-from .test_model import PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
+from .conftest import PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 

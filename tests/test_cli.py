@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import ROOT, write_corpus
 
+pytestmark = pytest.mark.e2e  # every test runs train.py, translate.py, evaluate.py or a script
+
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=600)
@@ -291,10 +293,14 @@ def test_train_streaming_from_memory_mapped_arrow_files(tmp_path, shared_corpus)
 
 
 def test_evaluate_budgets_scores_the_run_as_if_stopped_at_each_budget(smoke_run):
-    result = run("scripts/evaluate_budgets.py", f"run={smoke_run}", "minutes=[0.0001,100]", "average=2")
+    result = run("scripts/lab/evaluate_budgets.py", f"run={smoke_run}", "minutes=[0.0001,100]", "average=2")
     assert result.returncode != 0 and "no validation within 0.0001 minutes" in result.stderr
     result = run(
-        "scripts/evaluate_budgets.py", f"run={smoke_run}", "minutes=[100]", "average=2", "splits=[val,test_2016_flickr]"
+        "scripts/lab/evaluate_budgets.py",
+        f"run={smoke_run}",
+        "minutes=[100]",
+        "average=2",
+        "splits=[val,test_2016_flickr]",
     )
     assert result.returncode == 0, result.stderr[-2000:]
     budgets = json.loads((smoke_run / "budgets.json").read_text())
@@ -326,7 +332,7 @@ def test_tune_decoding_scores_every_pair_like_evaluate_and_names_the_best(smoke_
 
 
 def test_results_table_prints_every_score_with_signatures(smoke_run):
-    result = run("scripts/results_table.py", f"run={smoke_run}")
+    result = run("scripts/lab/results_table.py", f"run={smoke_run}")
     assert result.returncode == 0, result.stderr[-2000:]
     assert (
         "| best checkpoint (step" in result.stdout
@@ -338,9 +344,9 @@ def test_results_table_prints_every_score_with_signatures(smoke_run):
 def test_attention_lab_trains_converts_and_writes_the_table(shared_corpus, tmp_path):
     doc = tmp_path / "ATTENTION.md"
     doc.write_text("intro\n<!-- attention-lab:start -->\nold\n<!-- attention-lab:end -->\nrest\n")
-    extra = f"extra=[experiment=smoke,data.dir={shared_corpus},data.vocab_size=300]"
+    extra = f"extra=['experiment=smoke','data.dir={shared_corpus}','data.vocab_size=300']"
     args = ["only=[mha,moh]", "minutes=5", "finetune_steps=2", "speed_sentences=5", f"out={tmp_path / 'lab'}", f"doc={doc}"]  # fmt: skip
-    result = run("scripts/attention_lab.py", extra, *args)
+    result = run("scripts/lab/attention_lab.py", extra, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("rest\n") and "old" not in text

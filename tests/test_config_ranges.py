@@ -159,8 +159,8 @@ def test_smallest_vocabularies_are_allowed():
 
 
 def script(name: str):
-    """scripts/<name>.py as a module (the scripts are files, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", ROOT / "scripts" / f"{name}.py")
+    """<name>.py (e.g. scripts/lab/seed_table) as a module (the scripts are files, not a package)."""
+    spec = importlib.util.spec_from_file_location(name.replace("/", "_"), ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and OmegaConf look their module up by name
     spec.loader.exec_module(module)
@@ -169,35 +169,35 @@ def script(name: str):
 
 # (script, its config class, its required arguments, the refused ones, the key the error must name)
 SCRIPTS = [
-    ("average_checkpoints", "AverageConfig", "run=RUN", "last=0", "last"),
-    ("average_checkpoints", "AverageConfig", "run=RUN", "last=-1", "last"),
-    ("benchmark", "BenchConfig", "", "steps=0", "steps"),
-    ("benchmark", "BenchConfig", "", "rounds=0", "rounds"),
-    ("benchmark", "BenchConfig", "", "max_tokens=0", "max_tokens"),
-    ("benchmark", "BenchConfig", "", "threads=-1", "threads"),
-    ("benchmark_decoding", "BenchConfig", "", "sentences=0", "sentences"),
-    ("benchmark_decoding", "BenchConfig", "", "beam_size=0", "beam_size"),
-    ("benchmark_decoding", "BenchConfig", "", "vocab_size=4", "vocab_size"),
-    ("benchmark_decoding", "BenchConfig", "", "threads=-1", "threads"),
-    ("benchmark_decoding", "BenchConfig", "", "peer_sentences=0", "peer_sentences"),
-    ("benchmark_decoding", "BenchConfig", "", "new_tokens=1", "new_tokens"),
-    ("benchmark_decoding", "BenchConfig", "", "rounds=0", "rounds"),
-    ("convert_to_gqa", "ConvertConfig", "checkpoint=C", "n_kv_heads=0", "n_kv_heads"),
-    ("convert_to_gqa", "ConvertConfig", "checkpoint=C", "calibration=0", "calibration"),
-    ("convert_to_gqa", "ConvertConfig", "checkpoint=C", "finetune_steps=-1", "finetune_steps"),
-    ("convert_to_gqa", "ConvertConfig", "checkpoint=C", "finetune_lr=0", "finetune_lr"),
-    ("convert_to_gqa", "ConvertConfig", "checkpoint=C", "decode.beam_size=0", "decode.beam_size"),
-    ("evaluate_budgets", "BudgetConfig", "run=RUN", "minutes=[]", "minutes"),
-    ("evaluate_budgets", "BudgetConfig", "run=RUN", "minutes=[30,-1]", "minutes"),
-    ("evaluate_budgets", "BudgetConfig", "run=RUN", "average=0", "average"),
-    ("analyze_heads", "HeadsConfig", "checkpoint=C", "sentences=0", "sentences"),
-    ("analyze_heads", "HeadsConfig", "checkpoint=C", "prune=[2,0]", "prune"),
-    ("attention_lab", "LabConfig", "", "minutes=0", "minutes"),
-    ("attention_lab", "LabConfig", "", "speed_sentences=0", "speed_sentences"),
-    ("attention_lab", "LabConfig", "", "finetune_steps=0", "finetune_steps"),
-    ("attention_lab", "LabConfig", "", "only=[mha,gqa9]", "only"),
-    ("tune_decoding", "TuneConfig", "checkpoint=C", "length_penalties=[0.6,-1.0]", "length_penalties"),
-    ("tune_decoding", "TuneConfig", "checkpoint=C", "decode.max_tokens=0", "decode.max_tokens"),
+    ("scripts/average_checkpoints", "AverageConfig", "run=RUN", "last=0", "last"),
+    ("scripts/average_checkpoints", "AverageConfig", "run=RUN", "last=-1", "last"),
+    ("benchmarks/benchmark", "BenchConfig", "", "steps=0", "steps"),
+    ("benchmarks/benchmark", "BenchConfig", "", "rounds=0", "rounds"),
+    ("benchmarks/benchmark", "BenchConfig", "", "max_tokens=0", "max_tokens"),
+    ("benchmarks/benchmark", "BenchConfig", "", "threads=-1", "threads"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "sentences=0", "sentences"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "beam_size=0", "beam_size"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "vocab_size=4", "vocab_size"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "threads=-1", "threads"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "peer_sentences=0", "peer_sentences"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "new_tokens=1", "new_tokens"),
+    ("benchmarks/benchmark_decoding", "BenchConfig", "", "rounds=0", "rounds"),
+    ("scripts/convert_to_gqa", "ConvertConfig", "checkpoint=C", "n_kv_heads=0", "n_kv_heads"),
+    ("scripts/convert_to_gqa", "ConvertConfig", "checkpoint=C", "calibration=0", "calibration"),
+    ("scripts/convert_to_gqa", "ConvertConfig", "checkpoint=C", "finetune_steps=-1", "finetune_steps"),
+    ("scripts/convert_to_gqa", "ConvertConfig", "checkpoint=C", "finetune_lr=0", "finetune_lr"),
+    ("scripts/convert_to_gqa", "ConvertConfig", "checkpoint=C", "decode.beam_size=0", "decode.beam_size"),
+    ("scripts/lab/evaluate_budgets", "BudgetConfig", "run=RUN", "minutes=[]", "minutes"),
+    ("scripts/lab/evaluate_budgets", "BudgetConfig", "run=RUN", "minutes=[30,-1]", "minutes"),
+    ("scripts/lab/evaluate_budgets", "BudgetConfig", "run=RUN", "average=0", "average"),
+    ("scripts/analyze_heads", "HeadsConfig", "checkpoint=C", "sentences=0", "sentences"),
+    ("scripts/analyze_heads", "HeadsConfig", "checkpoint=C", "prune=[2,0]", "prune"),
+    ("scripts/lab/attention_lab", "LabConfig", "", "minutes=0", "minutes"),
+    ("scripts/lab/attention_lab", "LabConfig", "", "speed_sentences=0", "speed_sentences"),
+    ("scripts/lab/attention_lab", "LabConfig", "", "finetune_steps=0", "finetune_steps"),
+    ("scripts/lab/attention_lab", "LabConfig", "", "only=[mha,gqa9]", "only"),
+    ("scripts/tune_decoding", "TuneConfig", "checkpoint=C", "length_penalties=[0.6,-1.0]", "length_penalties"),
+    ("scripts/tune_decoding", "TuneConfig", "checkpoint=C", "decode.max_tokens=0", "decode.max_tokens"),
 ]
 
 
@@ -205,7 +205,7 @@ def script_config(name: str, schema: str, args: list[str]):
     """What the script's main() validates before it loads anything."""
     module = script(name)
     cfg = to_config(OmegaConf.from_dotlist(args), getattr(module, schema))
-    if name == "tune_decoding":
+    if name == "scripts/tune_decoding":
         module.check(cfg)
     return cfg
 
@@ -232,6 +232,7 @@ CLI = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overrides, needle", CLI, ids=[o[0] for o, _ in CLI])
 def test_train_refuses_an_out_of_range_value_in_one_line(tmp_path, overrides, needle):
     result = train(tmp_path / "run", *overrides)
@@ -239,6 +240,7 @@ def test_train_refuses_an_out_of_range_value_in_one_line(tmp_path, overrides, ne
     assert not (tmp_path / "run" / "spm.model").exists()  # refused before any work
 
 
+@pytest.mark.e2e
 def test_average_checkpoints_refuses_last_zero_in_one_line(tmp_path):
     result = run("scripts/average_checkpoints.py", f"run={tmp_path}", "last=0")
     assert_one_line_error(result, "last=0 must be >= 1")

@@ -152,6 +152,7 @@ def test_sweep_configs_define_a_multirun_grid(sweep):
         assert cfg.trainer.long_budget_epochs == 0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "body, needle",
     [("model:\n  colour: blue\n", "config key model.colour"), ("trainer:\n  lr: fast\n", "config key trainer.lr")],

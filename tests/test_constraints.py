@@ -11,7 +11,8 @@ from transformer.decoding.corpus import translate_texts
 from transformer.decoding.inputs import split_constraints
 from transformer.errors import ConfigError, DataError
 
-from .test_decoding import BOS, EOS, batch, char_tokenizer, make_model, sources
+from .conftest import BOS, EOS
+from .test_decoding import batch, char_tokenizer, make_model, sources
 
 PHRASES = [[[5, 6]], [[7], [8, 9, 10]], [], [[11]], [[12, 13]], [[4, 4, 4]]]
 

@@ -16,6 +16,8 @@ from transformer import checkpoint
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.e2e  # every test runs train.py
+
 TRAIN = ["experiment=smoke", "data.vocab_size=300", "trainer.max_steps=12", "trainer.eval_every=2",
          "trainer.log_every=1", "trainer.keep_last=2", "trainer.eval_bleu=false", "data.test_splits=[]"]  # fmt: skip
 TIMING = ("tokens_per_s", "train_minutes")  # the only fields two identical runs may differ in

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from transformer import checkpoint
+from transformer import translator as translator_module
 from transformer.batching import pad
 from transformer.decoding import (
     STRATEGIES,
@@ -15,7 +16,6 @@ from transformer.decoding import (
     beam_search,
     generate,
     greedy,
-    loading,
     sampler,
     translate_ids,
 )
@@ -25,10 +25,11 @@ from transformer.decoding.beam import best_extensions, stay_in_place
 from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
 from transformer.runtime import RuntimeConfig
+from transformer.translator import Translator
+
+from .conftest import BOS, EOS, PAD
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
-
-PAD, BOS, EOS = 0, 2, 3
 
 
 def make_model(seed: int = 0, **overrides) -> Transformer:
@@ -237,15 +238,15 @@ def char_tokenizer():
     return Tokenizer.train(["ein hund läuft", "a dog runs", "zwei katzen"] * 20, vocab_size=30, model_type="char")
 
 
-def test_load_decoder_installs_the_runtime_on_every_model_of_an_ensemble(tmp_path, monkeypatch):
+def test_the_translator_installs_the_runtime_and_precision_on_every_model_of_an_ensemble(tmp_path, monkeypatch):
     tokenizer = char_tokenizer()
     path = tmp_path / "model.pt"
     checkpoint.save(path, make_model(vocab_size=len(tokenizer)), tokenizer, train_config={}, step=1)
     installed, runtime = [], RuntimeConfig(fast=False)
-    monkeypatch.setattr(loading, "accelerate", lambda model, runtime: installed.append((model, runtime)) or model)
-    _, ensemble, _, _ = loading.load_decoder(str(path), [str(path)], "cpu", runtime)
-    assert [model for model, _ in installed] == ensemble.models
-    assert all(r is runtime for _, r in installed)
+    monkeypatch.setattr(translator_module, "accelerate", lambda model, runtime, int8: installed.append((model, runtime, int8)) or model)  # fmt: skip
+    ensemble = Translator.load(path, [str(path)], "cpu", DecodeConfig(precision="int8"), runtime).model
+    assert [model for model, _, _ in installed] == ensemble.models
+    assert all(r is runtime and int8 for _, r, int8 in installed)
 
 
 def test_averaging_copies_of_a_checkpoint_gives_the_same_weights(tmp_path):

@@ -40,6 +40,7 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 def test_two_processes_equal_one_process_accumulating_their_batches(shared_corpus, tmp_path):
     """...and a distributed run resumed from its checkpoint continues exactly."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from transformer.blocks import word_dropout
-from transformer.fast.dropout import Dropout, dropout, keep_mask
+from transformer.fast.dropout import FastDropout, dropout, keep_mask
 
 CPU = torch.device("cpu")
 
@@ -44,12 +44,12 @@ def test_masks_repeat_with_the_seed_and_differ_without():
 
 def test_module_modes_and_edge_probabilities():
     x = torch.randn(8, 8, dtype=torch.bfloat16)
-    layer = Dropout(0.3)
+    layer = FastDropout(0.3)
     assert layer(x).dtype == torch.bfloat16 and "p=0.3" in repr(layer)
     assert layer.eval()(x) is x and dropout(x, 0.0) is x and dropout(x, 1e-6) is x
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
     with pytest.raises(ValueError, match="between 0 and 1"):
-        Dropout(1.5)
+        FastDropout(1.5)
 
 
 def test_word_dropout_zeroes_whole_token_vectors_without_bias():

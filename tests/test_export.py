@@ -12,9 +12,9 @@ import torch
 
 from transformer import checkpoint
 from transformer.decoding import DecodeConfig, translate_ids
-from transformer.export import export
-from transformer.export import translate_ids as ctranslate2_ids
 from transformer.fast.int8 import ROW_SCALE, exact_weight_levels
+from transformer.interop.export import export
+from transformer.interop.export import translate_ids as ctranslate2_ids
 
 from .briefly_trained import multi30k_corpus, trained_model
 from .test_bad_inputs import entry_point
@@ -53,6 +53,7 @@ def trained(corpus):
     return model_of
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", KINDS)
 def test_exported_model_decodes_as_ours(kind, corpus, trained, tmp_path):
     model, tokenizer = trained(kind)
@@ -99,6 +100,7 @@ def token_log_probs(model, tokenizer, sources: list[list[int]], targets: list[li
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.isa  # CTranslate2 picks its kernels by CPU too (CT2_FORCE_CPU_ISA in ISA_LIMITS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_export_scores_our_translations_as_our_float32_model_does(kind, corpus, trained, tmp_path):

@@ -5,17 +5,20 @@ and decoded under both runtimes."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from transformer.attention import Rotary, scaled_dot_product_attention
+from transformer import attention_variants
+from transformer.attention import MultiHeadAttention, Rotary, scaled_dot_product_attention
+from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, beam_search, greedy
-from transformer.fast import accelerate
-from transformer.fast.attention import fast_attention, product_attention
+from transformer.fast import accelerate, fast_class
+from transformer.fast.attention import FastMultiHeadAttention, fast_attention, product_attention
 from transformer.fast.encoding import length_groups
 from transformer.fast.model import FastRotary, FastTransformer
 from transformer.model import Transformer, padding_mask
 from transformer.runtime import RuntimeConfig
 
-from .test_model import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
+from .conftest import BOS, EOS, PAD, VARIANTS, make_model, random_tokens, variant_id
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 
@@ -183,3 +186,37 @@ def test_encoding_in_length_groups_equals_encoding_the_padded_batch(variant):
         grouped, padded = model.encode(src, mask)[0], Transformer.encode(model, src, mask)[0]
     real = mask.flatten(1)
     torch.testing.assert_close(grouped[real], padded[real], atol=1e-5, rtol=1e-4)
+
+
+class TemperedKeysAttention(MultiHeadAttention):
+    """A variant as docs/EXTENDING.md describes one, overriding `keys_values`: keys scaled by a
+    learned temperature per key/value head before they are cached."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, dropout, bias, rotary=None):
+        super().__init__(d_model, n_heads, n_kv_heads, dropout, bias, rotary)
+        self.temperature = nn.Parameter(torch.linspace(0.5, 2.0, n_kv_heads))
+
+    def keys_values(self, k, v, state, static_kv, offset=0):
+        if k is not None:
+            k = k * self.temperature.repeat_interleave(self.d_head).to(k.dtype)
+        return super().keys_values(k, v, state, static_kv, offset)
+
+
+@pytest.fixture
+def tempered(monkeypatch) -> dict:
+    monkeypatch.setitem(attention_variants.VARIANTS, "tempered", attention_variants.Variant(TemperedKeysAttention))
+    return {"attention": AttentionConfig(kind="tempered")}
+
+
+def test_the_fast_runtime_keeps_the_steps_a_variant_overrides(tempered, caplog):
+    """The variant's own keys_values stays (the fast attend is added), under its own visible name,
+    and the model trains and decodes as the reference does."""
+    with caplog.at_level("INFO", logger="transformer.fast"):
+        model = make_model("fast", **tempered)
+    attention = model.encoder_layers[0].self_attn
+    assert type(attention).__name__ == "FastTemperedKeysAttention"
+    assert type(attention).keys_values is TemperedKeysAttention.keys_values
+    assert type(attention).attend is FastMultiHeadAttention.attend
+    assert fast_class(TemperedKeysAttention)[1] == ["keys_values"]
+    test_fast_training_step_equals_the_reference(tempered)
+    test_fast_decoding_equals_the_reference(tempered)

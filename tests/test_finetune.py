@@ -20,6 +20,8 @@ from transformer.training.validation import validation_loss
 from .conftest import DATA, write_corpus
 from .test_crash_recovery import assert_same, outcome, train
 
+pytestmark = pytest.mark.e2e  # every test runs train.py
+
 
 def multi30k_slice(split: str, start: int, n: int) -> dict[str, list[str]]:
     pairs = {}

@@ -5,14 +5,9 @@ import pytest
 import torch
 
 from transformer.attention import MultiHeadAttention
-from transformer.gqa import align_heads, convert_to_gqa, kv_cache_bytes_per_token, merge_heads
-from transformer.model import ModelConfig, Transformer
+from transformer.interop.gqa import align_heads, convert_to_gqa, kv_cache_bytes_per_token, merge_heads
 
-
-def make_model(**overrides) -> Transformer:
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=40, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)
-    return Transformer(ModelConfig(**{**cfg, **overrides})).eval()
+from .conftest import make_model
 
 
 def batches(n: int = 2):

@@ -11,10 +11,11 @@ from torch import nn
 import transformer.fast.int8
 from transformer import checkpoint
 from transformer.batching import pad
-from transformer.decoding import DecodeConfig, load_decoder, translate_ids
+from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast.int8 import Int8Linear, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
 from transformer.runtime import RuntimeConfig
+from transformer.translator import Translator
 
 from .briefly_trained import multi30k_corpus, trained_model
 
@@ -40,14 +41,15 @@ def saved(tmp_path_factory):
     return path, (corpus[0][:32], corpus[1][:32])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("fast", [True, False])
 def test_int8_decoding_agrees_with_fp32(saved, fast):
     """Next-token choices agree almost everywhere; whole translations of this barely trained model
     (its best token has a third of the probability on average) diverge more, once a near tie flips."""
     path, (de, en) = saved
     runtime = RuntimeConfig(fast=fast)
-    _, fp32, tokenizer, _ = load_decoder(str(path), [], "cpu", runtime)
-    _, int8, _, _ = load_decoder(str(path), [], "cpu", runtime, precision="int8")
+    fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
+    fp32, int8, tokenizer = fp32.model, int8.model, fp32.tokenizer
     assert not [m for m in int8.modules() if isinstance(m, nn.Linear)]  # every one quantized
     assert any(isinstance(m, Int8Linear) for m in int8.modules())
     sources = tokenizer.source.encode(de)
@@ -64,9 +66,10 @@ def test_int8_decoding_agrees_with_fp32(saved, fast):
     assert sum(a[0].tokens == b[0].tokens for a, b in zip(ours, quantized)) >= 0.4 * len(sources)
 
 
+@pytest.mark.e2e
 def test_int8_is_refused_off_the_cpu(saved):
     with pytest.raises(ConfigError, match="decode.precision=int8"):
-        load_decoder(str(saved[0]), [], "cuda", precision="int8")
+        Translator.load(saved[0], [], "cuda", DecodeConfig(precision="int8"))
 
 
 def test_int8_is_a_decoding_precision_only():

@@ -10,7 +10,7 @@ from torch import nn
 
 from transformer.devices import cpu_has_bf16_matmul
 from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8
-from transformer.fast.linear import AVAILABLE, Linear
+from transformer.fast.linear import AVAILABLE, FastLinear
 from transformer.runtime import RuntimeConfig
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")]
@@ -41,7 +41,7 @@ def test_fp32_linear_layers_run_optimized_kernels(capfd, record_property):
     """Inference (packed weights) and a training step, on the products runtime.onednn_linear=null
     chooses here (oneDNN where AVX-512 runs, else BLAS), and on oneDNN when it is asked for."""
     torch.manual_seed(0)
-    layer, x = Linear(64, 96), torch.randn(12, 64)
+    layer, x = FastLinear(64, 96), torch.randn(12, 64)
 
     def run(onednn: bool) -> None:
         layer.onednn = onednn
@@ -62,7 +62,7 @@ def test_bf16_autocast_inference_runs_optimized_kernels(capfd, record_property):
         record_property("kernels", "bf16 autocast: not used (no usable bf16 matrix instructions)")
         pytest.skip("no usable bf16 matrix instructions: precision=auto decodes in fp32")
     torch.manual_seed(0)
-    layer, x = Linear(64, 96), torch.randn(12, 64)
+    layer, x = FastLinear(64, 96), torch.randn(12, 64)
 
     def run() -> None:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -81,7 +81,7 @@ def test_int8_layers_run_optimized_kernels_or_stay_fp32(capfd, record_property):
     decision = f"start-up check: {describe({shape: kernel_plan(RuntimeConfig().onednn, shape)})}"
     if levels is None:
         record_property("kernels", f"int8 linear: not used; {decision}")
-        assert type(quantize_int8(nn.Sequential(nn.Linear(64, 96)))[0]) is nn.Linear
+        assert type(quantize_int8(nn.Sequential(nn.FastLinear(64, 96)))[0]) is nn.Linear
         return
     layer = Int8Linear(nn.Linear(*shape), levels)
     with torch.no_grad():

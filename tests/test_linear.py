@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import transformer.fast.linear
-from transformer.benchmarking import ISA_LIMITS
-from transformer.devices import ONEDNN_ISAS_BELOW_AVX512
+from transformer.devices import ISA_LIMITS, ONEDNN_ISAS_BELOW_AVX512
 from transformer.fast import accelerate
-from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, Linear, linear
+from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, FastLinear, linear
 from transformer.model import ModelConfig, Transformer
 from transformer.runtime import RuntimeConfig
 
@@ -46,7 +45,7 @@ def test_forward_and_gradients_match_f_linear(bias, blas_weight_gradient, monkey
 
 
 def test_the_packed_inference_weight_follows_every_change_of_the_weight():
-    layer = Linear(16, 8)
+    layer = FastLinear(16, 8)
     x = torch.randn(5, 16)
     with torch.no_grad():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
@@ -84,6 +83,7 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.e2e
 def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
     """runtime.onednn_linear=null (the default) turns the oneDNN path on only where torch runs
     AVX-512 kernels; in a process kept to AVX2 it is off, and bf16 autocast is not chosen."""
@@ -98,6 +98,7 @@ def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
     assert out.split() == ["False", "True", "False", "False"]
 
 
+@pytest.mark.e2e
 def test_importing_changes_nothing_and_accelerate_bounds_the_primitive_caches():
     """Importing transformer.fast leaves the environment alone; installing the oneDNN path (asked
     for, as a CPU kept to AVX2 does not choose it) sets the cache bounds the user has not set."""
@@ -111,7 +112,7 @@ def test_importing_changes_nothing_and_accelerate_bounds_the_primitive_caches():
 
 
 def test_bf16_autocast_training_keeps_torchs_own_path():
-    layer, x = Linear(16, 8), torch.randn(4, 16)
+    layer, x = FastLinear(16, 8), torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = layer(x)
     assert out.dtype == torch.bfloat16 and type(out.grad_fn).__name__ == "AddmmBackward0"
@@ -123,7 +124,7 @@ def test_bf16_autocast_training_keeps_torchs_own_path():
 @pytest.mark.parametrize("activation", [None, "relu"])
 def test_bf16_autocast_inference_uses_a_packed_bf16_weight_and_gives_f_linears_result(bias, activation):
     torch.manual_seed(0)
-    layer, x = Linear(64, 48, bias=bias), torch.randn(3, 5, 64)
+    layer, x = FastLinear(64, 48, bias=bias), torch.randn(3, 5, 64)
 
     def reference():  # autocast's own bf16 copy of the weight lasts until the outermost block ends
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -164,6 +165,7 @@ print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPAC
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the process size from /proc")
 def test_memory_does_not_grow_with_the_number_of_product_shapes():
     """oneDNN keeps every product's primitive and its buffers in two caches of 1024 entries;
@@ -184,7 +186,7 @@ def test_memory_does_not_grow_with_the_number_of_product_shapes():
 @pytest.mark.parametrize("grad", [False, True])
 def test_an_activation_inside_the_product_equals_one_after_it(activation, grad):
     torch.manual_seed(0)
-    layer, x = Linear(16, 48), torch.randn(5, 7, 16, requires_grad=grad)
+    layer, x = FastLinear(16, 48), torch.randn(5, 7, 16, requires_grad=grad)
     with torch.set_grad_enabled(grad):
         fused = layer(x, activation=activation)
         after = getattr(F, activation)(F.linear(x, layer.weight, layer.bias))

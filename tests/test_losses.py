@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.devices import cpu_has_bf16_matmul
+from transformer.fast import accelerate
 from transformer.fast import loss as chunked_loss
 from transformer.fast.loss import projected_cross_entropy
 from transformer.model import ModelConfig, Transformer
@@ -64,7 +65,7 @@ def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks
         tie_output=tie_output,
         output_bias=output_bias,
     )
-    model = Transformer(cfg).double()
+    model = accelerate(Transformer(cfg)).double()
     if output_bias:
         torch.nn.init.normal_(model.logits_bias)
     _, _, target = padded_problem()
@@ -73,8 +74,9 @@ def test_model_with_projected_loss_gets_the_gradients_of_its_logits(small_chunks
     grads = []
     for chunked in (True, False):
         out = model(src, tgt_in, project=not chunked)
-        weight, bias = (model.output_weight, model.logits_bias) if chunked else (None, None)
-        loss, objective = training_objective(out, target, 0, 0.1, 0.0, weight, None, bias=bias)
+        loss, objective = training_objective(
+            out, target, 0, 0.1, 0.0, None, model.chunked_cross_entropy if chunked else None
+        )
         objective.backward()
         grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
         model.zero_grad()

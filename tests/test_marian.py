@@ -26,7 +26,9 @@ from transformer.checkpoint import load_model
 from transformer.decoding import DecodeConfig
 from transformer.decoding.strategies import STRATEGIES
 from transformer.fast import accelerate
-from transformer.marian import read_marian
+from transformer.interop.marian import read_marian
+
+pytestmark = pytest.mark.e2e  # every test uses a MarianMT model trained here by Hugging Face
 
 transformers = pytest.importorskip("transformers")
 
@@ -307,7 +309,7 @@ def test_an_imported_model_exports_to_ctranslate2_and_decodes_as_ours(imported, 
     token for token (beam search is compared in test_export.py's marian_block)."""
     ctranslate2 = pytest.importorskip("ctranslate2")
     from transformer.decoding import translate_ids as our_ids
-    from transformer.export import translate_ids as ctranslate2_ids
+    from transformer.interop.export import translate_ids as ctranslate2_ids
 
     result = run(["scripts/export_ctranslate2.py", f"checkpoint={imported}", f"output={tmp_path / 'ct2'}"])
     assert result.returncode == 0, result.stderr[-2000:]

@@ -8,9 +8,8 @@ from transformer import decoding
 from transformer.decoding import DecodeConfig, Hypothesis
 from transformer.decoding.mbr import expected_utilities, rerank, utility
 
-from .test_decoding import EOS, PAD, make_model, sources
-
-BOS = 2
+from .conftest import BOS, EOS, PAD
+from .test_decoding import make_model, sources
 
 
 class Words:

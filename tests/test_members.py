@@ -35,6 +35,7 @@ def train(run_dir, corpus, *extra) -> subprocess.CompletedProcess:
     return subprocess.run(command(run_dir, corpus, *extra), cwd=ROOT, capture_output=True, text=True)
 
 
+@pytest.mark.e2e
 def test_members_train_at_once_and_validation_chooses_their_ensemble(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     done = train(run_dir, tiny_corpus)
@@ -62,13 +63,14 @@ def test_members_train_at_once_and_validation_chooses_their_ensemble(tmp_path, t
     assert not torch.equal(*weights), "the members are the same model"
 
     table = subprocess.run(
-        [sys.executable, "scripts/results_table.py", f"run={run_dir}"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "scripts/lab/results_table.py", f"run={run_dir}"], cwd=ROOT, capture_output=True, text=True
     )
     assert table.returncode == 0, table.stderr[-2000:]
     assert f"ensemble of 2 members ({results['chosen']}, chosen on val)" in table.stdout
     assert "member 0: 10 steps" in table.stdout and "member 1: 10 steps" in table.stdout
 
 
+@pytest.mark.e2e
 def test_a_rerun_resumes_the_members_and_other_settings_leave_them_intact(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     assert train(run_dir, tiny_corpus, "trainer.max_steps=5").returncode == 0
@@ -103,6 +105,7 @@ def interrupted(run_dir) -> list[bool]:
     return [f"interrupted by signal {int(signal.SIGTERM)}" in (run_dir / f"member{i}" / "train.log").read_text() for i in (0, 1)]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_command_stops_every_member_and_says_how_to_resume(tmp_path, tiny_corpus):
     run_dir, stderr = tmp_path / "run", tmp_path / "stderr.txt"
     proc = start_long_run(run_dir, tiny_corpus, stderr)
@@ -113,6 +116,7 @@ def test_sigterm_to_the_command_stops_every_member_and_says_how_to_resume(tmp_pa
     assert interrupted(run_dir) == [True, True]  # both had saved and stopped before the command returned
 
 
+@pytest.mark.e2e
 def test_members_stop_by_themselves_when_the_command_is_killed(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     proc = start_long_run(run_dir, tiny_corpus, tmp_path / "stderr.txt")

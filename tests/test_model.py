@@ -7,77 +7,21 @@ import torch
 from torch import nn
 
 from transformer.attention import MultiHeadAttention
-from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, greedy
-from transformer.fast import accelerate
-from transformer.fast import attention as fast_attention
-from transformer.fast import linear as fast_linear
+from transformer.fast import install
 from transformer.model import ModelConfig, Transformer, causal_mask, padding_mask
 from transformer.runtime import RuntimeConfig
 
+from .conftest import BOS, EOS, PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
+
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
-
-PAD, BOS, EOS = 0, 2, 3
-RUNTIMES = ["reference", "fast"]
-
-
-# Noise added to the parameters of attention variants that start at a neutral point (zero or
-# identity), by parameter name. DCMHA's gets less: its query- and key-wise terms multiply two
-# dynamic weights, so with 0.3 the composition scaled the scores 40-85 times, which made the
-# gradients so sensitive to rounding that fp32 kernels summing in another order disagreed by 1e-2
-# (docs/lab/2026-12-01-every-cpu-green.md). 0.1 scales them 3-5 times, as in a trained model.
-VARIANT_NOISE = {"router": 0.3, "stage": 0.3, "query_weights": 0.1, "key_weights": 0.1, ".static": 0.1}
-
-
-def make_model(runtime: str = "reference", **overrides) -> Transformer:
-    """A tiny model. The parameters of attention variants (MoH router, DCMHA mixing) are moved
-    away from their zero/identity initialization, so no variant sits at its neutral point."""
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=40, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)
-    model = Transformer(ModelConfig(**{**cfg, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = next((scale for part, scale in VARIANT_NOISE.items() if part in name), 0.0)
-            p.add_(noise * torch.randn_like(p))
-    return accelerate(model, RuntimeConfig(fast=runtime == "fast"))
 
 
 def attention_module(runtime: str, **kwargs) -> MultiHeadAttention:
     attn = MultiHeadAttention(**kwargs).eval()
     if runtime == "fast":
-        fast_linear.install(attn)
-        fast_attention.install(attn)
+        install(attn, RuntimeConfig())
     return attn
-
-
-def random_tokens(batch: int, length: int) -> torch.Tensor:
-    return torch.randint(4, 40, (batch, length))
-
-
-VARIANTS = [
-    {},
-    {"norm_first": True},
-    {"n_kv_heads": 2},
-    {"n_kv_heads": 1},
-    {"positional": "learned"},
-    {"bias": False, "tie_output": False},
-    # The attention variants and block options of attention_variants.py and docs/ATTENTION.md:
-    {"attention": AttentionConfig(kind="moh", shared_heads=1, top_k=2)},
-    {"attention": AttentionConfig(kind="moh", shared_heads=2, top_k=1), "n_kv_heads": 2},
-    {"attention": AttentionConfig(kind="dcmha", rank=2)},
-    {"attention": AttentionConfig(kind="dcmha", rank=1), "n_kv_heads": 1},
-    {"attention": AttentionConfig(kind="overlap", overlap=2)},
-    {"positional": "rope"},
-    {"norm": "rmsnorm", "norm_first": True},
-    {"activation": "gelu"},
-    {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True},
-    {"positional": "rope", "attention": AttentionConfig(kind="overlap", overlap=2)},
-    {"activation": "silu", "sinusoidal_layout": "halves", "output_bias": True},  # Marian's block (marian.py)
-]
-
-
-def variant_id(variant: dict) -> str:
-    return ",".join(f"{k}={getattr(v, 'kind', v)}" for k, v in variant.items()) or "standard"
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

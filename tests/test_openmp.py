@@ -29,6 +29,7 @@ def test_a_child_can_get_libgomps_own_default_back_but_never_loses_a_users_setti
     assert openmp.without_default({"GOMP_SPINCOUNT": openmp.SPIN_COUNT}) == {"GOMP_SPINCOUNT": openmp.SPIN_COUNT}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("entry_point", ["train.py", "translate.py", "evaluate.py", "serve.py"])
 def test_entry_points_set_the_spin_count_before_torch_is_imported(entry_point):
     env = {k: v for k, v in os.environ.items() if k not in openmp.CHOICES}

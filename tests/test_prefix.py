@@ -11,7 +11,8 @@ from transformer.decoding.corpus import translate_texts
 from transformer.decoding.inputs import split_prefixes
 from transformer.errors import DataError
 
-from .test_decoding import BOS, EOS, IDS, batch, char_tokenizer, make_model, sources
+from .conftest import BOS, EOS
+from .test_decoding import IDS, batch, char_tokenizer, make_model, sources
 
 
 def prefixes(n: int, seed: int = 2) -> list[list[int]]:

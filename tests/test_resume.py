@@ -43,6 +43,7 @@ def start_and_wait(cmd, run_dir, min_step: int) -> subprocess.Popen:
     raise AssertionError(f"training did not reach step {min_step}: {proc.communicate()[1][-2000:]}")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("runtime", ["fast", "reference"])
 def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus, runtime):
     # The linear schedule's decay depends on where warmup ended: the resumed run must restore it.
@@ -76,6 +77,22 @@ def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus,
     assert later and max(abs(expected[s] - got[s]) for s in later) == 0.0
 
 
+@pytest.mark.e2e
+def test_checkpoints_keep_the_configured_dropout_and_the_state_keeps_the_planned_one(tmp_path, tiny_corpus):
+    """The budget's dropout (chosen at step 2) is the run's state, not the model's config: a
+    checkpoint's model config, which decoding and fine-tuning build from, says model.dropout."""
+    run_dir = tmp_path / "run"
+    plan = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.long_budget_epochs=0.1", "trainer.long_budget_dropout=0.05"]  # fmt: skip
+    done = subprocess.run(command(run_dir, tiny_corpus, *plan), cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(estimated at step 2), trainer.long_budget_epochs=0.1: dropout 0.05 from the next step on" in done.stdout
+    saved = {path.name: checkpoint.load(path) for path in sorted(run_dir.glob("checkpoint_*.pt"))}
+    assert set(saved) == {"checkpoint_2.pt", "checkpoint_4.pt", "checkpoint_best.pt", "checkpoint_last.pt"}
+    assert {name: payload["model_config"]["dropout"] for name, payload in saved.items()} == dict.fromkeys(saved, 0.3)
+    assert saved["checkpoint_last.pt"]["train_state"]["planned_dropout"] == 0.05
+
+
+@pytest.mark.e2e
 def test_a_wall_clock_budget_decays_the_learning_rate_to_zero_by_its_end(tmp_path, tiny_corpus):
     run = tmp_path / "run"
     extra = ["trainer.max_minutes=0.12", "trainer.schedule=linear", "trainer.warmup_steps=5", "trainer.eval_every=1000"]
@@ -124,6 +141,7 @@ def test_a_checkpoint_with_an_option_since_removed_resumes_and_the_speed_paths_m
     assert config_differences(old, {"trainer": {"lr": 2e-3}}) == ["trainer.lr (0.001 in the checkpoint, 0.002 now)"]
 
 
+@pytest.mark.e2e
 def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     proc = start_and_wait(command(run_dir, tiny_corpus, "trainer.max_steps=100000"), run_dir, min_step=3)
@@ -135,6 +153,7 @@ def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_
     assert f"at step {saved['step']};" in stderr and saved["step"] >= 3
 
 
+@pytest.mark.e2e
 def test_a_directory_with_another_run_is_refused_and_left_intact(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
     first = subprocess.run(
@@ -179,6 +198,7 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
     assert checkpoint.load(path)["step"] == 1
 
 
+@pytest.mark.e2e
 def test_non_finite_losses_skip_updates_then_stop(tmp_path, tiny_corpus):
     result = subprocess.run(command(tmp_path / "run", tiny_corpus, "trainer.lr=1e30", "trainer.warmup_steps=1", "trainer.max_bad_steps=2", "trainer.max_steps=200"),
                             cwd=ROOT, capture_output=True, text=True)  # fmt: skip
@@ -187,6 +207,7 @@ def test_non_finite_losses_skip_updates_then_stop(tmp_path, tiny_corpus):
     assert "update skipped" in result.stdout
 
 
+@pytest.mark.e2e
 def test_a_stop_just_after_a_validation_adds_no_near_copy_of_its_checkpoint(tmp_path, tiny_corpus):
     """The averaged checkpoints stay trainer.eval_every apart: a stop within a quarter of it after a
     validation saves only checkpoint_last.pt, and a later stop validates and numbers its checkpoint."""

@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 
 from transformer import checkpoint
 from transformer.decoding import DecodeConfig, Hypothesis
-from transformer.serving import Batcher, ServeLimits, Translator, create_app
+from transformer.serving import Batcher, ServeLimits, create_app
+from transformer.translator import Translator
 
 from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
 
@@ -54,6 +55,7 @@ def metric(server: Server, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
+@pytest.mark.e2e
 def test_translations_and_n_best_lists_equal_translate_pys(server, model_path, sentences):
     text = [*sentences[:3], "", *sentences[3:7]]  # an empty line translates to an empty line
     expected = translate_py(f"checkpoint={model_path}", *QUICK, stdin="".join(s + "\n" for s in text))
@@ -81,6 +83,7 @@ async def translate_concurrently(url: str, bodies: list[dict]) -> list[dict]:
     return [r.json() for r in responses]
 
 
+@pytest.mark.e2e
 def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, sentences):
     alone = post(server, {"text": sentences}).json()["translations"]
     beam2 = post(server, {"text": sentences, "beam_size": 2}).json()["translations"]
@@ -117,6 +120,7 @@ BAD = [  # (what is sent, status, what the error names)
 ]
 
 
+@pytest.mark.e2e
 def test_every_bad_request_gets_its_4xx_json_error_and_the_server_goes_on(server, sentences):
     warnings = len([line for line in server.log if line.startswith("WARNING: 4")])
     for body, status, needle in BAD:
@@ -131,6 +135,7 @@ def test_every_bad_request_gets_its_4xx_json_error_and_the_server_goes_on(server
     assert metric(server, 'serve_errors_total{kind="malformed_json"}') >= 2
 
 
+@pytest.mark.e2e
 def test_health_metrics_and_the_page(server):
     assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60), "never ready"
     health = httpx.get(server.url + "/health").json()
@@ -176,6 +181,7 @@ def test_health_is_503_with_the_error_when_the_model_cannot_decode(model_path):
         assert health.json()["model_loaded"] is False and "check sentence" in health.json()["error"]
 
 
+@pytest.mark.e2e
 def test_alignment_is_a_distribution_over_the_source_for_each_target_token(server, sentences):
     answer = post(server, {"text": sentences[1], "layer": 0}, "/v1/align").json()
     weights = answer["weights"]  # (target tokens, source tokens), both ending in </s>
@@ -198,6 +204,7 @@ def stalled_request(server: Server) -> socket.socket:
     return sock
 
 
+@pytest.mark.e2e
 def test_a_slow_client_holds_up_no_one(server, sentences):
     """A client that sends half its body and stalls: the others are answered meanwhile."""
     with stalled_request(server) as slow:
@@ -241,6 +248,7 @@ def send_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
     return thread, result
 
 
+@pytest.mark.e2e
 def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_path, sentences):
     # The oldest request waits up to max_wait_ms in the queue for others: long here, so that it is
     # still there when the next request arrives and when SIGTERM comes.
@@ -292,10 +300,11 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
     assert "Traceback" not in err
 
 
+@pytest.mark.e2e
 def test_load_test_reports_throughput_latency_and_the_servers_batch_size(server, sentences, tmp_path, capsys):
     (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
     args = [f"url={server.url}", f"input={tmp_path / 'in.de'}", "clients=4", "seconds=1.5", f"output={tmp_path / 'load.json'}"]  # fmt: skip
-    assert run_entry("scripts/load_test.py", args) == 0
+    assert run_entry("benchmarks/load_test.py", args) == 0
     results = json.loads((tmp_path / "load.json").read_text())
     assert results["sentences"] > 0 and results["errors"] == 0 and results["mean_batch_sentences"] >= 1
     latency = results["latency_ms"]
@@ -303,6 +312,7 @@ def test_load_test_reports_throughput_latency_and_the_servers_batch_size(server,
     assert "sentences/s" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_the_json_of_an_error_is_one_object(server):
     response = post(server, b"{")
     assert response.headers["content-type"].startswith("application/json")

@@ -16,6 +16,8 @@ import pytest
 
 from .servers import QUICK, Server, build_checkpoint, corpus_lines
 
+pytestmark = pytest.mark.e2e  # serve.py and a headless browser
+
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 

@@ -82,7 +82,7 @@ def test_a_seed_below_one_and_unequal_lengths_are_refused(references):
 
 
 def fake_run(directory, hypotheses: dict[str, list[str]], decoding: str = "beam5"):
-    """A run directory as train.py leaves it, as far as scripts/seed_table.py reads it."""
+    """A run directory as train.py leaves it, as far as scripts/lab/seed_table.py reads it."""
     (directory / ".hydra").mkdir(parents=True)
     (directory / ".hydra" / "config.yaml").write_text(f"data:\n  dir: {DATA}\n  src_lang: de\n  tgt_lang: en\n")
     for split, lines in hypotheses.items():
@@ -90,6 +90,7 @@ def fake_run(directory, hypotheses: dict[str, list[str]], decoding: str = "beam5
     return directory
 
 
+@pytest.mark.e2e
 def test_seed_table_gives_each_seed_and_their_mean_and_spread(tmp_path, monkeypatch, capsys):
     from .test_bad_inputs import run_main
 
@@ -97,7 +98,7 @@ def test_seed_table_gives_each_seed_and_their_mean_and_spread(tmp_path, monkeypa
     perfect = fake_run(tmp_path / "perfect", refs)
     worse = fake_run(tmp_path / "worse", {split: damaged(lines) for split, lines in refs.items()})
     args = [f"runs=[{perfect},{worse}]", "splits=[val,test_2016_flickr]", f"baseline={worse}", "seed=3"]
-    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 0
+    assert run_main("scripts/lab/seed_table.py", args, b"", monkeypatch) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(f"| {perfect} |"))
     assert row.split(" | ")[1:4] == ["100.00", "100.00", "100.00"]
@@ -111,6 +112,7 @@ def test_seed_table_gives_each_seed_and_their_mean_and_spread(tmp_path, monkeypa
     assert f"val {perfect}:" not in out  # the validation split chose the recipe: only test splits are compared
 
 
+@pytest.mark.e2e
 def test_seed_table_compares_with_a_baseline_decoded_otherwise(tmp_path, monkeypatch, capsys):
     """An ensemble's seeds against one member's averaged checkpoint: the files are named apart."""
     from .test_bad_inputs import run_main
@@ -119,9 +121,9 @@ def test_seed_table_compares_with_a_baseline_decoded_otherwise(tmp_path, monkeyp
     run = fake_run(tmp_path / "run", {"test_2016_flickr": refs}, decoding="ensemble.beam5")
     member = fake_run(tmp_path / "member0", {"test_2016_flickr": damaged(refs)}, decoding="avg5.beam5")
     args = [f"runs=[{run}]", "splits=[test_2016_flickr]", "decoding=ensemble.beam5", f"baseline={member}"]
-    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 2
+    assert run_main("scripts/lab/seed_table.py", args, b"", monkeypatch) == 2
     assert f"{member}/test_2016_flickr.ensemble.beam5.en does not exist" in capsys.readouterr().err
-    assert run_main("scripts/seed_table.py", [*args, "baseline_decoding=avg5.beam5"], b"", monkeypatch) == 0
+    assert run_main("scripts/lab/seed_table.py", [*args, "baseline_decoding=avg5.beam5"], b"", monkeypatch) == 0
     out = capsys.readouterr().out
     assert f"paired tests against baseline={member}, avg5.beam5" in out
     assert f"test_2016_flickr {run}: BLEU: baseline" in out and "system 100.00" in out
@@ -131,7 +133,7 @@ def test_seed_table_names_the_missing_hypotheses_and_how_to_write_them(tmp_path,
     from .test_bad_inputs import run_main
 
     run = fake_run(tmp_path / "run", {})
-    assert run_main("scripts/seed_table.py", [f"runs=[{run}]", "splits=[val]"], b"", monkeypatch) == 2
+    assert run_main("scripts/lab/seed_table.py", [f"runs=[{run}]", "splits=[val]"], b"", monkeypatch) == 2
     err = capsys.readouterr().err
     assert f"{run}/val.beam5.en does not exist; write it with: python evaluate.py checkpoint={run}/checkpoint_best.pt split=val" in err  # fmt: skip
 
@@ -143,5 +145,5 @@ def test_seed_table_refuses_a_baseline_with_other_line_counts(tmp_path, monkeypa
     run = fake_run(tmp_path / "run", {"test_2016_flickr": refs})
     short = fake_run(tmp_path / "short", {"test_2016_flickr": refs[:10]})
     args = [f"runs=[{run}]", "splits=[test_2016_flickr]", f"baseline={short}"]
-    assert run_main("scripts/seed_table.py", args, b"", monkeypatch) == 2
+    assert run_main("scripts/lab/seed_table.py", args, b"", monkeypatch) == 2
     assert f"{short}/test_2016_flickr.beam5.en has 10 lines, its references {len(refs)}" in capsys.readouterr().err

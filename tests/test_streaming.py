@@ -40,6 +40,7 @@ def open_input(mode: str):
     return terminal, lambda text: os.write(controller, text.encode()), lambda: os.write(controller, b"\x04")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["chunk_lines=2", "interactive=true", "terminal"])
 def test_output_of_the_first_chunk_comes_before_stdin_closes(mode, model_path):
     source = corpus_lines("de", 5, "val")
@@ -75,6 +76,7 @@ def translate_here(args: list[str], stdin: str, monkeypatch, capsys) -> tuple[in
     return status, out, err
 
 
+@pytest.mark.e2e
 def test_chunked_output_equals_whole_input_output_and_names_lines_across_chunks(model_path, tmp_path):
     source = [*corpus_lines("de", 6, "val"), "", " ".join(["Hund"] * 200), "Ein Hund."]
     stdin = "".join(s + "\n" for s in source)

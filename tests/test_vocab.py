@@ -68,6 +68,7 @@ def test_the_encoder_reads_its_own_embedding():
     assert target_grad[[2, 7]].abs().sum(1).min() > 0 and target_grad[3].abs().sum() == 0
 
 
+@pytest.mark.e2e
 def test_train_and_translate_with_separate_vocabularies(tmp_path, shared_corpus):
     run_dir = tmp_path / "separate"
     result = train(

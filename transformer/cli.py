@@ -1,6 +1,6 @@
-"""What translate.py, evaluate.py and the scripts share: key=value arguments checked against a
+"""What translate.py, evaluate.py and the scripts share: their arguments composed by Hydra onto a
 dataclass, the inputs of a script that scores a checkpoint, and logging to stderr. Loading a
-checkpoint (or an ensemble) to decode with is transformer.decoding.load_decoder."""
+checkpoint (or an ensemble) to decode with is transformer.translator.Translator.load."""
 
 from __future__ import annotations
 
@@ -10,28 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
-
 from .checkpoint import direction, language_pair
-from .config import to_config
+from .config import compose_command
 from .data import DataConfig, corpus_file
 from .errors import ConfigError
 from .runtime import RuntimeConfig
 
 
-def parse_args(argv: list[str], schema: type, doc: str):
-    """`key=value` arguments (as train.py takes them) -> a validated `schema` instance."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(doc.strip())
-        sys.exit(0)
-    bad = [a for a in argv if "=" not in a]
-    if bad:
-        raise ConfigError(f"expected key=value arguments, got {bad[0]!r} (see --help)")
-    cfg = to_config(OmegaConf.from_dotlist(argv), schema)
-    missing = [name for name, value in vars(cfg).items() if value == "???"]
-    if missing:
-        raise ConfigError(f"missing {missing[0]}=... (see --help)")
-    return cfg
+def parse_args(argv: list[str], schema: type, doc: str, name: str | None = None):
+    """A command's arguments -> a validated `schema` instance, composed by Hydra from configs/ as
+    train.py's are (transformer.config.compose_command): key=value overrides, decode=NAME and
+    runtime=NAME for the typed fields that have a config group, --help, --cfg job. `name`: the
+    command's name (default: the name of the script that runs)."""
+    return compose_command(argv, schema, doc, name or Path(sys.argv[0]).stem or "command")
 
 
 @dataclass

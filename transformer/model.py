@@ -348,11 +348,11 @@ class Transformer(nn.Module):
         return self.cfg.attention.balance_weight * torch.stack(losses).sum()
 
     def set_dropout(self, p: float) -> None:
-        """Change model.dropout (on the embeddings and every sublayer output) of the built model,
-        as the trainer does when the budget's length chooses it (training/plan.py)."""
+        """Change the dropout on the embeddings and every sublayer output of the built model, as
+        the trainer does when the budget's length chooses it (training/plan.py). `cfg.dropout`
+        keeps model.dropout as configured: it is what a checkpoint's model config saves."""
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout {p} is not in [0, 1)")
-        self.cfg.dropout = p
         self.embed_dropout.p = p
         for module in self.modules():
             if isinstance(module, AddNorm):

@@ -1,9 +1,9 @@
-"""Pictures of attention: one grid of heatmaps (a panel per head) per layer and attention kind."""
+"""Pictures of attention: one grid of heatmaps (a panel per head) per layer and attention kind, as
+the trainer writes them to TensorBoard (transformer/analysis/plotting.py draws per-head scores)."""
 
 from __future__ import annotations
 
 import math
-from itertools import product
 
 import matplotlib
 
@@ -65,23 +65,3 @@ def attention_figures(model: Transformer, tokenizer, src_ids: list[int], tgt_ids
         for i, w in enumerate(layers):
             figures[f"{kind}/layer{i}"] = attention_grid(w[0], queries, keys, f"{KIND_TITLES[kind]}, layer {i}")
     return figures
-
-
-def head_heatmap(values: dict[str, Tensor], title: str, label: str):
-    """values[kind]: (layers, heads) -> one annotated heatmap per attention kind."""
-    fig, axes = plt.subplots(1, len(values), figsize=(4.2 * len(values), 3.2), squeeze=False)
-    for ax, (kind, grid) in zip(axes.flat, values.items()):
-        grid = grid.float().cpu()
-        image = ax.imshow(grid.numpy(), cmap="magma", aspect="auto")
-        ax.set_title(KIND_TITLES[kind], fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_xticks(range(grid.size(1)))
-        ax.set_yticks(range(grid.size(0)))
-        for layer, head in product(range(grid.size(0)), range(grid.size(1))):
-            value = float(grid[layer, head])
-            ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=6, color="white")
-        fig.colorbar(image, ax=ax, label=label)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return fig

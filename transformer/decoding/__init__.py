@@ -10,7 +10,8 @@ Every search talks to the model through one incremental-state interface:
 
 `Transformer` implements it with a key/value cache, `Uncached` by recomputing the whole prefix
 (the reference the cache is tested and benchmarked against), `Ensemble` by averaging several
-models' probabilities (models.py). A target prefix that translations must start with is the
+models' probabilities (models.py). Loading a model to decode with, its runtime and precision, is
+transformer.translator.Translator's. A target prefix that translations must start with is the
 searches' business, not the model's: while a sentence's prefix lasts, `search.force_prefix` leaves
 its next token one choice, so the cache, ensembles and every strategy take it unchanged.
 
@@ -23,7 +24,6 @@ its next token one choice, so the cache, ensembles and every strategy take it un
     corpus.py      translating a corpus: batches, precision, n-best lists in input order
     inputs.py      target prefixes and constraints: the TAB-separated lines translate.py reads
     alignment.py   word alignments from cross-attention (decode.alignment)
-    loading.py     a checkpoint or an ensemble to decode with
 """
 
 from .beam import beam_search
@@ -37,7 +37,6 @@ from .corpus import (
     translate_texts,
 )
 from .inputs import split_constraints, split_prefixes
-from .loading import load_decoder
 from .models import Ensemble, Uncached
 from .search import Hypothesis, generate, greedy, sampler
 from .strategies import STRATEGIES, Strategy
@@ -54,7 +53,6 @@ __all__ = [
     "encode_sources",
     "generate",
     "greedy",
-    "load_decoder",
     "sampler",
     "split_constraints",
     "split_prefixes",

@@ -57,7 +57,7 @@ def translate_ids(
     out: list[list[Hypothesis]] = [[] for _ in sources]
     per_sentence = STRATEGIES[cfg.strategy].rows_per_sentence(cfg)
     device = torch.device(device)
-    # Scores and log-probabilities stay fp32 either way; int8 is in the model's layers (load_decoder).
+    # Scores and log-probabilities stay fp32 either way; int8 is in the model's layers (transformer.translator).
     amp = None if cfg.precision == "int8" else autocast_dtype(cfg.precision, device)
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)

@@ -1,31 +1,101 @@
-"""The speed paths: each module replaces one piece of the reference model (transformer/model.py,
-transformer/attention.py, transformer/blocks.py) or of the training objective with a faster one
-that computes the same thing, and is tested against it (tests/test_fast.py).
+"""The speed paths: each fast class replaces one reference class of the model (transformer/model.py,
+transformer/attention.py, transformer/blocks.py) with a subclass that computes the same thing
+faster, and is tested against it (tests/test_fast.py).
 
-    linear.py     nn.Linear's forward on oneDNN for CPU fp32, weights packed for inference
-    int8.py       linear layers in int8 for CPU decoding (decode.precision=int8), inputs quantized per row, on oneDNN
-    attention.py  attention kernels, in-place caches, fp32 cross-attention cache, folded beams
+    linear.py     FastLinear: nn.Linear on oneDNN for CPU fp32, weights packed for inference
+    attention.py  FastMultiHeadAttention: attention kernels, in-place caches, fp32 cross-attention cache
+    model.py      FastTransformer (length-grouped encoding, packed output layer, chunked loss),
+                  FastDecoderLayer (folded beams), FastFeedForward, FastRotary
+    dropout.py    FastDropout: masks drawn cheaply on a CPU
     cache.py      key/value caches that grow in place and reorder only the rows that move
-    dropout.py    dropout masks drawn cheaply on a CPU
     encoding.py   encoding in groups of similar length at CPU inference
     loss.py       the output layer and its loss in chunks, without the full logits
-    model.py      the classes `accelerate` gives the model, its decoder layers and FFNs
+    int8.py       int8 linear layers for CPU decoding (decode.precision=int8)
 
-`accelerate(model, runtime)` installs them on a built model, in place: same parameters, same
-state dict. The typed config group `runtime` (configs/runtime/) chooses: runtime=fast (the
-default) or runtime=reference, the model exactly as written. docs/PERFORMANCE.md has what each
-is worth and where it was measured. The reference model never imports this package.
+`accelerate(model, runtime)` installs them on a built model, in place: every module whose class
+is a key of FAST_CLASSES becomes its fast class (same parameters, same state dict), and an
+attention variant becomes a class derived from FastMultiHeadAttention and the variant, which
+keeps every step the variant overrides. runtime=reference (configs/runtime/) installs nothing.
+One log line per process says what was installed and why. docs/PERFORMANCE.md has what each
+path is worth and where it was measured. The reference model never imports this package.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+from collections import Counter
 
+from torch import nn
+
+from ..attention import MultiHeadAttention, Rotary
+from ..blocks import FeedForward
+from ..model import DecoderLayer, Transformer
 from ..runtime import RuntimeConfig
-from . import attention, dropout, linear, model
+from .attention import FastMultiHeadAttention
+from .dropout import FastDropout
+from .int8 import quantize_int8
+from .linear import FastLinear, bound_primitive_caches, refresh_packed_weights
+from .model import FastDecoderLayer, FastFeedForward, FastRotary, FastTransformer
 
 log = logging.getLogger(__name__)
+
+# Each reference class and the fast class a module of exactly that class becomes.
+FAST_CLASSES: dict[type, type] = {
+    Transformer: FastTransformer,
+    DecoderLayer: FastDecoderLayer,
+    MultiHeadAttention: FastMultiHeadAttention,
+    FeedForward: FastFeedForward,
+    Rotary: FastRotary,
+    nn.Linear: FastLinear,
+    nn.Dropout: FastDropout,
+}
+# Reference classes whose subclasses (the attention variants of attention_variants.py) get a fast
+# class too: derived from the fast class and the variant, with the variant's own steps kept.
+VARIANT_BASES = (MultiHeadAttention,)
+_VARIANT_CLASSES: dict[type, tuple[type, list[str]]] = {}
+
+
+def fast_steps(fast: type) -> list[str]:
+    """The methods a fast class overrides (adopt, which sets up its state, aside)."""
+    return [name for name, member in vars(fast).items() if inspect.isfunction(member) and name != "adopt"]
+
+
+def fast_class(cls: type) -> tuple[type | None, list[str]]:
+    """(the fast class for modules of class `cls`, the steps kept from `cls` because it overrides
+    them); (None, []) for a class without one (or already fast)."""
+    if cls in FAST_CLASSES:
+        return FAST_CLASSES[cls], []
+    base = next((b for b in VARIANT_BASES if issubclass(cls, b)), None)
+    fast = FAST_CLASSES.get(base)
+    if base is None or issubclass(cls, fast):
+        return None, []
+    if cls not in _VARIANT_CLASSES:
+        kept = [name for name in fast_steps(fast) if getattr(cls, name) is not getattr(base, name)]
+        members = {name: inspect.getattr_static(cls, name) for name in kept}
+        members["__doc__"] = f"{cls.__name__} with {fast.__name__}'s steps" + (f", except its own {', '.join(kept)}" if kept else "")  # fmt: skip
+        _VARIANT_CLASSES[cls] = type(f"Fast{cls.__name__}", (fast, cls), members), kept
+    return _VARIANT_CLASSES[cls]
+
+
+def install(model: nn.Module, runtime: RuntimeConfig) -> tuple[Counter, list[str]]:
+    """Every module of `model` with a fast class turned into it, in place; returns (how many
+    modules became each fast class, the variants' steps that were kept)."""
+    installed, kept = Counter(), []
+    for module in model.modules():
+        fast, own = fast_class(type(module))
+        if fast is None:
+            continue
+        kept += [f"{type(module).__name__}.{name}" for name in own]
+        module.__class__ = fast
+        if hasattr(fast, "adopt"):
+            module.adopt(runtime)
+        installed[fast.__name__] += 1
+    if runtime.onednn:
+        bound_primitive_caches()
+        refresh_packed_weights()  # after every optimizer step: fused Adam leaves weight versions as they were
+    return installed, list(dict.fromkeys(kept))
 
 
 @functools.cache
@@ -34,16 +104,22 @@ def log_once(message: str) -> None:
     log.info(message)
 
 
-def accelerate(transformer, runtime: RuntimeConfig | None = None):
+def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = False):
     """Install the speed paths `runtime` asks for on `transformer` (a Transformer, in place; the
-    same parameters and state dict) and return it. runtime.fast=false leaves it as it is. The
-    first call in a process logs what was installed for this CPU and why."""
+    same parameters and state dict) and return it; runtime.fast=false installs none. int8=True
+    (decode.precision=int8, for decoding on a CPU) then quantizes its linear layers (fast/int8.py),
+    under either runtime. Logs, once per process for each distinct line, what was installed and why."""
     runtime = runtime or RuntimeConfig()
-    log_once(runtime.describe())
     if not runtime.fast:
-        return transformer
-    linear.install(transformer, runtime.onednn)
-    dropout.install(transformer)
-    attention.install(transformer, runtime.fp32_cross)
-    model.install(transformer, runtime.onednn)
+        log_once(runtime.describe())
+    else:
+        installed, kept = install(transformer, runtime)
+        line = ", ".join(f"{name} x{count}" for name, count in installed.items())
+        line += f"; kept the variants' own {', '.join(kept)}" if kept else ""
+        log_once(f"{runtime.describe()} | installed {line}")
+    if int8:
+        quantize_int8(transformer, runtime.fast and runtime.onednn)
     return transformer
+
+
+__all__ = ["FAST_CLASSES", "RuntimeConfig", "accelerate", "fast_class", "install"]

@@ -81,41 +81,43 @@ def whole_cache(state: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
     return k_buffer, v_buffer, mask.view(1, 1, 1, -1)
 
 
-# --- MultiHeadAttention's steps, as the fast classes made by `install` override them ---------------
+class FastMultiHeadAttention(MultiHeadAttention):
+    """MultiHeadAttention with `fast_attention` as its kernel, growing self-attention caches,
+    contiguous cross-attention caches (in fp32 under bf16 on a CPU, with runtime.fp32_cross) and
+    attention from the whole cache buffer under bf16 on a CPU. A variant (attention_variants.py)
+    gets a class derived from this one and itself, which keeps every step the variant overrides
+    (transformer/fast/__init__.py: `fast_class`)."""
 
+    def adopt(self, runtime) -> None:
+        self.kernel, self.fp32_cross = fast_attention, runtime.fp32_cross
 
-def keys_values(self, k: Tensor | None, v: Tensor | None, state: dict | None, static_kv: bool, offset: int = 0):
-    """MultiHeadAttention.keys_values with growing self-attention caches, and cross-attention keys
-    and values stored contiguous (in fp32 under bf16 on a CPU, with fp32_cross)."""
-    if k is None:
-        return state["k"], state["v"]
-    k, v = self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
-    if self.rotary is not None:
-        k = self.rotary(k, offset)
-    if state is not None and static_kv:
-        # Contiguous, once: as views of the projections, the batched products of every later
-        # step would copy them again to fold batch and heads together.
-        dtype = torch.float32 if self.fp32_cross and k.dtype == torch.bfloat16 and k.is_cpu else k.dtype
-        k = k.to(dtype, memory_format=torch.contiguous_format)
-        v = v.to(dtype, memory_format=torch.contiguous_format)
-        state["k"], state["v"] = k, v
-    elif state is not None:
-        k, v = cache.append(state, "k", k, dim=2), cache.append(state, "v", v, dim=2)
-    return k, v
+    def keys_values(self, k: Tensor | None, v: Tensor | None, state: dict | None, static_kv: bool, offset: int = 0):
+        if k is None:
+            return state["k"], state["v"]
+        k, v = self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
+        if self.rotary is not None:
+            k = self.rotary(k, offset)
+        if state is not None and static_kv:
+            # Contiguous, once: as views of the projections, the batched products of every later
+            # step would copy them again to fold batch and heads together.
+            dtype = torch.float32 if self.fp32_cross and k.dtype == torch.bfloat16 and k.is_cpu else k.dtype
+            k = k.to(dtype, memory_format=torch.contiguous_format)
+            v = v.to(dtype, memory_format=torch.contiguous_format)
+            state["k"], state["v"] = k, v
+        elif state is not None:
+            k, v = cache.append(state, "k", k, dim=2), cache.append(state, "v", v, dim=2)
+        return k, v
 
-
-def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):
-    """MultiHeadAttention.attend by `fast_attention`: on a bf16 CPU from the whole cache buffer,
-    and in fp32 from an fp32 cross-attention cache."""
-    dropout_p = self.dropout if self.training else 0.0
-    if need_weights:
-        return scaled_dot_product_attention(q, k, v, mask, dropout_p)
-    if mask is None and state is not None and not static_kv and k.dtype == torch.bfloat16 and k.is_cpu:
-        k, v, mask = whole_cache(state, k, v)
-    if q.dtype != k.dtype:  # cross-attention from the fp32 cache, in fp32
-        with torch.autocast("cpu", enabled=False):
-            return fast_attention(q.to(k.dtype), k, v, mask, dropout_p).to(q.dtype), None
-    return fast_attention(q, k, v, mask, dropout_p), None
+    def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights:
+            return scaled_dot_product_attention(q, k, v, mask, dropout_p)
+        if mask is None and state is not None and not static_kv and k.dtype == torch.bfloat16 and k.is_cpu:
+            k, v, mask = whole_cache(state, k, v)
+        if q.dtype != k.dtype:  # cross-attention from the fp32 cache, in fp32
+            with torch.autocast("cpu", enabled=False):
+                return fast_attention(q.to(k.dtype), k, v, mask, dropout_p).to(q.dtype), None
+        return fast_attention(q, k, v, mask, dropout_p), None
 
 
 def attend_memory_folded(self, query: Tensor, memory: Tensor, src_mask: Tensor, state: dict | None, need_weights: bool):
@@ -132,25 +134,3 @@ def attend_memory_folded(self, query: Tensor, memory: Tensor, src_mask: Tensor, 
     if weights is not None:  # (sentences, heads, group * len, src_len) -> (rows, heads, len, src_len)
         weights = weights.unflatten(2, (group, length)).transpose(1, 2).flatten(0, 1)
     return out.reshape(rows, length, -1), weights
-
-
-_FAST_CLASSES: dict[type, type] = {}
-
-
-def fast_class(cls: type) -> type:
-    """`cls` (MultiHeadAttention or a variant) with the fast cache handling, and the fast `attend`
-    unless the variant computes attention its own way."""
-    if cls not in _FAST_CLASSES:
-        members = {"keys_values": keys_values}
-        if cls.attend is MultiHeadAttention.attend:
-            members["attend"] = attend
-        _FAST_CLASSES[cls] = type(cls.__name__, (cls,), members)
-    return _FAST_CLASSES[cls]
-
-
-def install(model: torch.nn.Module, fp32_cross: bool = True) -> None:
-    """Every attention module of `model` with the fast kernel, caches and attention steps."""
-    for module in model.modules():
-        if isinstance(module, MultiHeadAttention) and type(module) not in _FAST_CLASSES.values():
-            module.__class__ = fast_class(type(module))
-            module.kernel, module.fp32_cross = fast_attention, fp32_cross

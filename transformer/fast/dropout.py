@@ -4,7 +4,7 @@ On a CPU, torch's dropout draws every element's Bernoulli sample on its own: one
 Mersenne Twister and a double-precision comparison per element, on one thread (torch uses MKL's
 vectorized generator for this on Intel CPUs only).
 
-`Dropout` here draws 64-bit random words instead, four elements to a word: each element keeps
+`FastDropout` here draws 64-bit random words instead, four elements to a word: each element keeps
 its value when its 16-bit quarter of the word is at or above a threshold. The drop probability
 is therefore rounded to a multiple of 2^-16 (0.3 becomes 0.300003), and kept values are scaled
 by the inverse of the exact keep probability, so the expectation is unchanged. The mask is
@@ -12,7 +12,7 @@ saved for the backward pass as one byte per element (torch saves a float per ele
 docs/PERFORMANCE.md has the measured effect.
 
 Masks come from torch's default generator, so `torch.manual_seed` makes them repeatable and
-activation recomputation (torch.utils.checkpoint) replays them. On other devices `Dropout`
+activation recomputation (torch.utils.checkpoint) replays them. On other devices `FastDropout`
 calls torch's fused dropout kernel.
 """
 
@@ -61,7 +61,7 @@ def dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     return MaskedScale.apply(x, mask, 1.0 / keep)
 
 
-class Dropout(nn.Dropout):
+class FastDropout(nn.Dropout):
     """nn.Dropout (its checks, repr and type) with the cheaper CPU mask of this module."""
 
     def __init__(self, p: float = 0.5):
@@ -69,10 +69,3 @@ class Dropout(nn.Dropout):
 
     def forward(self, x: Tensor) -> Tensor:
         return dropout(x, self.p, self.training)
-
-
-def install(model: nn.Module) -> None:
-    """Every nn.Dropout of `model` drawing its masks with `dropout` (same probability)."""
-    for module in model.modules():
-        if type(module) is nn.Dropout:
-            module.__class__ = Dropout

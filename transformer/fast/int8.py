@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..model import Transformer
-from .linear import Linear, PackedWeight, linear
+from .linear import FastLinear, PackedWeight, linear
 
 log = logging.getLogger(__name__)
 
@@ -211,13 +211,13 @@ def tied_projection(model: nn.Module) -> nn.Linear | None:
 
 
 def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
-    """Replace, in place, every nn.Linear of `model` (fast/linear.py's `Linear` included) by an
+    """Replace, in place, every nn.Linear of `model` (fast/linear.py's `FastLinear` included) by an
     Int8Linear, and give a Transformer with a tied output projection an int8 one (the embedding
     lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
     CPU; the others stay fp32, and the log says which and why. Returns `model`."""
     if not available():
         raise RuntimeError("decode.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
-    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, Linear)]  # fmt: skip
+    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, FastLinear)]  # fmt: skip
     tied = tied_projection(model)
     if tied is not None:
         layers.append((model, "output", tied))

@@ -13,14 +13,14 @@ one with oneDNN; on some CPUs oneDNN's fp32 kernels are much faster (docs/PERFOR
 Inference under CPU bf16 autocast takes the same packed path with a bf16 copy of the weight,
 reordered once: under autocast `F.linear` hands oneDNN the plain bf16 weight, which oneDNN
 reorders again at every product. Everything else (GPUs, bf16 training, torch.compile, other
-dtypes) takes `F.linear` unchanged. `Linear` is `nn.Linear` with this forward: same parameters,
-same state dict; `install` turns a model's nn.Linear layers into it (runtime.onednn_linear=false
-keeps them on F.linear).
+dtypes) takes `F.linear` unchanged. `FastLinear` is `nn.Linear` with this forward: same parameters,
+same state dict; `transformer.fast.accelerate` turns a model's nn.Linear layers into it
+(runtime.onednn_linear=false keeps them on F.linear).
 
 oneDNN builds a primitive for every product shape and keeps up to 1024 of them in two caches
 (its own and that of ideep, torch's wrapper), with buffers of several MB each; training batches
 come in many shapes, so with those defaults a process grows with every new one.
-`bound_primitive_caches` (called by `install`) bounds both at `CACHE_CAPACITY` entries, unless
+`bound_primitive_caches` (called by `accelerate`) bounds both at `CACHE_CAPACITY` entries, unless
 the environment already sets them: it takes effect before oneDNN's first product in a process.
 """
 
@@ -31,6 +31,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 CACHE_CAPACITY = 16
 CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's own cache, ideep's
@@ -168,36 +169,36 @@ def _activate(x: Tensor, activation: str | None) -> Tensor:
     return x if activation is None else ACTIVATIONS[activation](x)
 
 
-class Linear(nn.Linear):
+class FastLinear(nn.Linear):
     """nn.Linear computed by `linear`."""
 
     def __init__(self, *args, onednn: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.packed, self.onednn = PackedWeight(), onednn
 
+    def adopt(self, runtime) -> None:
+        """State for a layer that was an nn.Linear (runtime.onednn=False: F.linear)."""
+        self.packed, self.onednn = PackedWeight(), runtime.onednn
+
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
         return linear(x, self.weight, self.bias, self.packed, activation, self.onednn)
 
 
-def install(model: nn.Module, onednn: bool = True) -> None:
-    """Every nn.Linear of `model` computed by `linear` (same parameters; onednn=False: F.linear)."""
-    if onednn:
-        bound_primitive_caches()
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = Linear
-            module.packed, module.onednn = PackedWeight(), onednn
-
-
-def refresh_packed_weights_after(optimizer: torch.optim.Optimizer) -> None:
+def bump_fused_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """torch's fused Adam updates the weights without bumping their version counters, and
     `PackedWeight` keeps its reordered copy until the version changes: after each step of a fused
-    parameter group, bump them, so that inference (validation) sees the new weights."""
+    parameter group, bump them, so that inference (validation) sees the new weights. Installed
+    for every optimizer of the process by `refresh_packed_weights` (a global step hook)."""
+    # Per group: a resumed optimizer takes its groups' settings, "fused" too, from the checkpoint.
+    fused = [p for group in optimizer.param_groups if group.get("fused") for p in group["params"]]
+    if fused:
+        torch.autograd.graph.increment_version(fused)
 
-    def bump(optimizer, args, kwargs) -> None:
-        # Per group: a resumed optimizer takes its groups' settings, "fused" too, from the checkpoint.
-        fused = [p for group in optimizer.param_groups if group.get("fused") for p in group["params"]]
-        if fused:
-            torch.autograd.graph.increment_version(fused)
 
-    optimizer.register_step_post_hook(bump)
+_REFRESH_HOOK = []
+
+
+def refresh_packed_weights() -> None:
+    """Install `bump_fused_versions` after every optimizer step in this process, once."""
+    if not _REFRESH_HOOK:
+        _REFRESH_HOOK.append(register_optimizer_step_post_hook(bump_fused_versions))

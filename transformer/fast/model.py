@@ -13,12 +13,25 @@ from ..model import DecoderLayer, DecoderState, Transformer
 from . import cache
 from .attention import attend_memory_folded
 from .encoding import encode_grouped
-from .linear import Linear, PackedWeight, linear
+from .linear import FastLinear, PackedWeight, linear
+from .loss import projected_cross_entropy
 
 
 class FastTransformer(Transformer):
     """Encoding in length groups at CPU inference, the tied output projection (and its logits
-    bias, if any) on oneDNN with its weight packed for inference, and decoding states whose caches grow in place."""
+    bias, if any) on oneDNN with its weight packed for inference, decoding states whose caches grow in
+    place, and with runtime.chunked_loss the output layer and training loss in chunks (fast/loss.py)."""
+
+    def adopt(self, runtime) -> None:
+        self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(), runtime.onednn, runtime.chunked_loss
+
+    def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
+        """The summed label-smoothed loss of the decoder output `out` (forward(project=False)),
+        projected by the output layer chunk by chunk, never holding the full logits; products in
+        `dtype` (bf16 under bf16 autocast) or, for None, in the weight's dtype."""
+        return projected_cross_entropy(
+            out, self.output_weight, target, pad_id, smoothing, dtype, self.onednn, self.logits_bias
+        )
 
     def encode(self, src: Tensor, src_mask: Tensor, need_weights: bool = False) -> tuple[Tensor, list]:
         if need_weights or torch.is_grad_enabled() or self.training or src.device.type != "cpu":
@@ -42,6 +55,8 @@ class FastDecoderState(DecoderState):
 
 
 class FastDecoderLayer(DecoderLayer):
+    """Cross-attention with a sentence's beams folded into one query (fast/attention.py)."""
+
     attend_memory = attend_memory_folded
 
 
@@ -50,7 +65,7 @@ class FastFeedForward(FeedForward):
     layers (fast/int8.py) take the reference path."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if not isinstance(self.linear1, Linear):
+        if not isinstance(self.linear1, FastLinear):
             return super().forward(x)
         return self.linear2(self.dropout(self.linear1(x, activation=self.activation)))
 
@@ -70,17 +85,3 @@ class FastRotary(Rotary):
         if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-2]):
             pairs = pairs.contiguous()  # a complex view needs pairs that start at even offsets
         return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
-
-
-def install(model: Transformer, onednn: bool = True) -> None:
-    """The fast classes for the model itself, its decoder layers, its ReLU/GELU/SiLU networks (whose
-    linear layers must already be fast/linear.py's) and its rotary positions."""
-    model.__class__ = FastTransformer
-    model.tied_packed, model.onednn = PackedWeight(), onednn
-    for module in model.modules():
-        if type(module) is DecoderLayer:
-            module.__class__ = FastDecoderLayer
-        elif type(module) is FeedForward:
-            module.__class__ = FastFeedForward
-        elif type(module) is Rotary:
-            module.__class__ = FastRotary

@@ -1,9 +1,9 @@
 """Serving translations over HTTP: requests merged into decoding batches, limits on what a request
 may ask, Prometheus metrics and a small web page. serve.py at the repository root composes the
-config and runs the app; nothing here imports Hydra.
+config, loads the model as a transformer.translator.Translator and runs the app; nothing here
+imports Hydra.
 
     config.py      ServeLimits: what one request may ask and how requests are batched
-    translator.py  the loaded model: request settings -> DecodeConfig, n-best lists, cross-attention
     batcher.py     the queue and the worker thread that decodes merged batches off the event loop
     protocol.py    a request body -> checked texts and settings, or a RequestError naming the problem
     metrics.py     the Prometheus counters and histograms of one app
@@ -16,6 +16,5 @@ from .app import create_app
 from .batcher import Batcher, QueueFull
 from .config import ServeLimits
 from .server import run
-from .translator import Translator
 
-__all__ = ["Batcher", "QueueFull", "ServeLimits", "Translator", "create_app", "run"]
+__all__ = ["Batcher", "QueueFull", "ServeLimits", "create_app", "run"]

@@ -16,11 +16,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
 from .config import ServeLimits
 from .metrics import Metrics
 from .protocol import RequestError, TranslateRequest, align_request, read_json, translate_request
-from .translator import Translator
 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).parent / "static"
@@ -57,7 +57,7 @@ class Service:
 
     def __init__(self, translator: Translator, limits: ServeLimits):
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
-        self.batcher = Batcher(translator.translate, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
+        self.batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
         self.model_loaded, self.model_error = False, None
 
     async def check_model(self) -> None:

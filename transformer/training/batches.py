@@ -33,6 +33,7 @@ class TrainState:
     warmup_progress: float = 0.0  # fraction of the training budget used when warmup ended
     warmup_end: int = 0  # the step at which warmup ended (0: not yet)
     planned_epochs: float = 0.0  # the epochs the budget holds, estimated at plan.PLAN_AT of it (0: not yet)
+    planned_dropout: float | None = None  # the dropout the plan set on the model (None: model.dropout)
 
     def epochs_done(self, epoch_size: int, unconsumed: int = 0) -> float:
         """Epochs trained, as a fraction: the full ones, plus the share of the current epoch's

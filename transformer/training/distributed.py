@@ -88,6 +88,17 @@ class World:
         return box[0]
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` wrapped so that backward passes sum its gradients over the ranks."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=model.cfg.attention.kind != "standard",  # e.g. MoH heads nobody chose
+    )
+
+
 def launched() -> bool:
     """Whether torchrun started this process as one of several."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1

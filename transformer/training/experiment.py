@@ -19,7 +19,6 @@ import torch
 from .. import checkpoint
 from ..batching import TokenizedCorpus, filter_long, tokenize, tokenize_mapped
 from ..data import clean_training_pairs, corpus_file, load_split, primary_rows, training_text, write_lines
-from ..decoding import translate_corpus
 from ..devices import autocast_dtype, pick_device
 from ..errors import USER_ERRORS, CheckpointError, DataError
 from ..evaluation import score
@@ -27,9 +26,11 @@ from ..fast import accelerate
 from ..files import write_texts
 from ..model import Transformer, count_parameters
 from ..tokenizer import Tokenizer
+from ..translator import Translator
 from . import distributed, finetune
+from .checkpoints import to_plain
 from .resume import check_compatible, clear_run, make_deterministic, remove_unfinished, resume_path
-from .trainer import Trainer, to_plain
+from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -119,21 +120,18 @@ def hypotheses_path(run_dir: Path, split: str, label: str, lang: str) -> Path:
     return run_dir / f"{split}.{label}.{lang}"
 
 
-def evaluate_tests(
-    cfg, run_dir: Path, model: Transformer, tokenizer: Tokenizer, device, tag: str = ""
-) -> dict[str, dict]:
+def evaluate_tests(cfg, run_dir: Path, translator: Translator, tag: str = "") -> dict[str, dict]:
     """Decode each test split greedily and with the configured strategy; write the hypotheses
     next to the checkpoints as {split}.{tag}{strategy}.{tgt_lang}; report BLEU and chrF."""
-    model.eval()
     strategies = [cfg.decode.greedy()]
     if cfg.decode.strategy != "greedy":
         strategies.append(cfg.decode)
     results = {}
     for split in cfg.data.test_splits:
-        corpus = tokenize(load_split(cfg.data, split), tokenizer)
+        corpus = tokenize(load_split(cfg.data, split), translator.tokenizer)
         for decode_cfg in strategies:
             label = tag + decode_cfg.label
-            hyps = translate_corpus(model, corpus, tokenizer, decode_cfg, device)
+            hyps = translator.translate_corpus(corpus, decode_cfg)
             write_lines(hypotheses_path(run_dir, split, label, cfg.data.tgt_lang), hyps)
             scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
             report(
@@ -163,8 +161,8 @@ def evaluate_average(
     averaged = checkpoint.average(paths)
     checkpoint.write(run_dir / f"checkpoint_{name}.pt", averaged)
     model.load_state_dict(averaged["model"])
-    model.eval()
-    hyps = translate_corpus(model, valid, tokenizer, cfg.decode.greedy(), device)
+    translator = Translator.of_training(model, tokenizer, cfg.decode)
+    hyps = translator.translate_corpus(valid, cfg.decode.greedy())
     valid_bleu = score(hyps, valid.tgt_text).bleu
     report(
         f"averaged the checkpoints of steps {', '.join(str(checkpoint.step_of(p)) for p in paths)} into "
@@ -172,7 +170,7 @@ def evaluate_average(
     )
     summary = {"average": {"checkpoints": [p.name for p in paths], "valid_bleu": valid_bleu}}
     if tests:
-        summary[f"test_{name}"] = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag=f"{name}.")
+        summary[f"test_{name}"] = evaluate_tests(cfg, run_dir, translator, tag=f"{name}.")
     return summary
 
 
@@ -317,7 +315,7 @@ def run_in_world(
         trainer.restore(resumed)
     if world.is_main:
         trainer.monitor.start(trainer.state.step)
-        trainer.restore_best()
+        trainer.checkpoints.restore_best(trainer.state)
     if world.rank:  # different dropout on each rank; rank 0 draws exactly as a single process would
         torch.manual_seed(cfg.seed + 1000 * world.rank + trainer.state.step)
     trainer.fit()
@@ -327,7 +325,7 @@ def run_in_world(
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
     summary = training_summary(trainer, best, run_dir)
-    results = evaluate_tests(cfg, run_dir, model, tokenizer, device) if tests else {}
+    results = evaluate_tests(cfg, run_dir, Translator.of_training(model, tokenizer, cfg.decode)) if tests else {}
     summary["test"] = results
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.trainer.average_last:

@@ -27,12 +27,11 @@ import torch
 
 from ..batching import tokenize
 from ..data import clean_training_pairs, load_split, write_lines
-from ..decoding import load_decoder, translate_corpus
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..evaluation import score
 from ..files import write_texts
-from ..runtime import RuntimeConfig
 from ..tokenizer import Tokenizer
+from ..translator import Translator
 from .experiment import evaluate_tests, hypotheses_path, report, run_one, train_tokenizer
 from .resume import GracefulStop
 
@@ -159,10 +158,9 @@ def candidates(dirs: list[Path]) -> dict[str, list[Path]]:
     return {"best": best, name: averages, f"best+{name}": best + averages}
 
 
-def load_ensemble(paths: list[Path], device_name: str, runtime: RuntimeConfig):
-    """(device, the Ensemble of the checkpoints, their one tokenizer), as translate.py loads one."""
-    device, model, tokenizer, _ = load_decoder(str(paths[0]), [str(p) for p in paths[1:]], device_name, runtime)
-    return device, model, tokenizer
+def load_ensemble(paths: list[Path], cfg) -> Translator:
+    """The ensemble of the checkpoints, as translate.py loads one."""
+    return Translator.load(paths[0], [str(p) for p in paths[1:]], cfg.trainer.device, cfg.decode, cfg.runtime)
 
 
 def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tuple[str, dict, list[str]]:
@@ -171,10 +169,10 @@ def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tu
     scores, translations, corpus = {}, {}, None
     for name, paths in options.items():
         started = time.monotonic()
-        device, model, tokenizer = load_ensemble(paths, cfg.trainer.device, cfg.runtime)
+        translator = load_ensemble(paths, cfg)
         if corpus is None:  # every option holds the same members, so one tokenizer
-            corpus = tokenize(valid_split, tokenizer)
-        translations[name] = translate_corpus(model, corpus, tokenizer, cfg.decode, device)
+            corpus = tokenize(valid_split, translator.tokenizer)
+        translations[name] = translator.translate_corpus(corpus)
         scores[name] = score(translations[name], corpus.tgt_text).bleu
         report(
             f"ensemble {name} ({len(paths)} checkpoints): validation BLEU {scores[name]:.2f} "
@@ -198,8 +196,7 @@ def run_members(cfg, run_dir: Path, record: dict | None = None) -> dict:
     label = f"ensemble.{cfg.decode.label}"  # beside the test splits' translations (evaluate_tests)
     write_lines(hypotheses_path(run_dir, cfg.data.valid_split, label, cfg.data.tgt_lang), valid_hyps)
     report(f"validation chose the ensemble {chosen}: {', '.join(str(p.relative_to(run_dir)) for p in options[chosen])}")
-    device, model, tokenizer = load_ensemble(options[chosen], cfg.trainer.device, cfg.runtime)
-    results = evaluate_tests(cfg, run_dir, model, tokenizer, device, tag="ensemble.")
+    results = evaluate_tests(cfg, run_dir, load_ensemble(options[chosen], cfg), tag="ensemble.")
     summary = {
         "members": [json.loads((d / "results.json").read_text()) for d in dirs],
         "ensembles": {

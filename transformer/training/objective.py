@@ -1,14 +1,15 @@
 """The training objective: label-smoothed cross-entropy over the full logits (a readable reference
 and torch's fused version, which training uses) and R-Drop's symmetric KL regularizer. The
-output layer and loss computed together in chunks, the speed path, is transformer/fast/loss.py."""
+output layer and loss computed together in chunks, the speed path, is the fast runtime's
+(FastTransformer.chunked_cross_entropy, transformer/fast/loss.py)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from ..fast.loss import projected_cross_entropy
 
 
 def label_smoothed_loss(logits: Tensor, target: Tensor, pad_id: int, smoothing: float) -> tuple[Tensor, Tensor]:
@@ -47,24 +48,19 @@ def training_objective(
     pad_id: int,
     smoothing: float,
     rdrop: float,
-    weight: Tensor | None,
-    amp_dtype,
-    onednn: bool = True,
-    bias: Tensor | None = None,
+    amp_dtype=None,
+    chunked_loss: Callable | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(summed label-smoothed loss, what training differentiates) for one batch.
 
-    out: the model's logits (the reference), or with `weight` (the output projection, given when
-    runtime.chunked_loss is on) its decoder output, which fast/loss.py's `projected_cross_entropy`
-    projects chunk by chunk; its products run in bf16 under bf16 autocast, and in the weight's
-    dtype otherwise (fp16's range would underflow small gradients). With rdrop > 0, out holds the
-    batch twice (two dropout draws) and the objective adds R-Drop's regularizer to the mean of
-    the two losses. onednn: whether the chunked loss's products may use oneDNN (runtime.onednn_linear);
-    bias: the model's logits bias (model.output_bias), which the chunked loss adds with `weight`.
-    """
-    if weight is not None:
-        dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 else None
-        loss = projected_cross_entropy(out, weight, target, pad_id, smoothing, dtype, onednn, bias)
+    out: the model's logits (the reference), or with `chunked_loss` (a fast model's
+    `chunked_cross_entropy`, under runtime.chunked_loss) its decoder output, which that projects
+    chunk by chunk; its products run in bf16 under bf16 autocast, and in the weight's dtype
+    otherwise (fp16's range would underflow small gradients). With rdrop > 0, out holds the batch
+    twice (two dropout draws) and the objective adds R-Drop's regularizer to the mean of the two
+    losses."""
+    if chunked_loss is not None:
+        loss = chunked_loss(out, target, pad_id, smoothing, torch.bfloat16 if amp_dtype == torch.bfloat16 else None)
         return loss, loss
     if rdrop:
         first, second = out.chunk(2)

@@ -1,6 +1,7 @@
 """The training loop: one optimizer step (forward, backward, update), periodic validation
-(loss and greedy BLEU), last/best checkpoints and early stopping. The objective is objective.py,
-the optimizer and its learning-rate schedule optimizer.py and schedule.py."""
+(loss and greedy BLEU, attention images), early stopping and the log lines. What the budget
+decides (learning rate, dropout) is plan.py, the checkpoint files and resuming checkpoints.py,
+the objective objective.py, the optimizer optimizer.py."""
 
 from __future__ import annotations
 
@@ -9,27 +10,24 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .. import checkpoint
 from ..batching import Batch, TokenizedCorpus
 from ..devices import autocast_dtype
 from ..errors import TrainingStopped
-from ..fast.linear import refresh_packed_weights_after
 from ..model import Transformer
 from ..monitoring import Monitor, Throughput
 from ..plotting import attention_figures
 from .batches import EpochBatches, TrainState
-from .distributed import World
+from .checkpoints import CheckpointKeeper
+from .distributed import World, data_parallel
 from .objective import training_objective
 from .optimizer import trainer_adam
-from .plan import apply_plan, plan_dropout
-from .resume import GracefulStop, rng_states, set_rng_states
-from .schedule import scheduled_lr, warmup_ramp
+from .plan import BudgetPlan
+from .resume import GracefulStop
 from .validation import validate
 
 log = logging.getLogger(__name__)
@@ -58,33 +56,25 @@ class Trainer:
         self.forward_model = model  # what training calls: the model, or its DistributedDataParallel wrapper
         model.recompute = self.tcfg.recompute
         if world.distributed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.forward_model = DistributedDataParallel(
-                model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=model.cfg.attention.kind != "standard",  # e.g. MoH heads nobody chose
-            )
+            self.forward_model = data_parallel(model, self.device)
         if self.tcfg.compile:
             self.forward_model = torch.compile(self.forward_model, dynamic=True)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, self.device)
         t = self.tcfg
         self.optimizer = trainer_adam(model.parameters(), t, self.device)
-        runtime = cfg.runtime
-        if runtime.fast and runtime.onednn:  # inference's packed weights must see each update
-            refresh_packed_weights_after(self.optimizer)
-        self.chunked_loss = runtime.fast and runtime.chunked_loss  # the output layer and loss: fast/loss.py
-        self.onednn = runtime.onednn
+        # The fast runtime's output layer and loss in chunks (runtime.chunked_loss; fast/model.py).
+        self.chunked_loss = getattr(model, "chunked_loss", False)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState()
         self.batches = EpochBatches(cfg, train, tokenizer, world, self.device)
+        self.plan = BudgetPlan(self.tcfg, cfg.model.dropout, self.batches)
         self.monitor = Monitor(run_dir, enabled=world.is_main)
         self.step_tokens = torch.zeros(())  # source + target tokens of the last step, over all ranks
         self.grad_norm = torch.zeros(())
         self.aux_loss = torch.zeros((), device=self.device)  # summed over steps since the last log line
         self.started = time.monotonic()  # the training clock's zero (set again by fit, for resumed runs)
         self.window = Throughput()  # the steps since the last log line
-        self.best_model: dict | None = None  # the weights of checkpoint_best.pt, on the CPU
+        self.checkpoints = CheckpointKeeper(cfg, run_dir, model, tokenizer, self.optimizer, self.scaler, self.window)
 
     # ---- one optimizer step
 
@@ -110,6 +100,12 @@ class Trainer:
             with self.synchronizing_gradients(last=i == len(batches) - 1):
                 total += self.backward(batch, n_tokens, len(batches))
         self.world.sum(total)  # every rank sees the same loss, so all agree on skipping a step
+        seconds = float(mean_seconds) if self.world.distributed else seconds
+        return total / n_tokens if self.update(total, seconds) else None
+
+    def update(self, total: Tensor, seconds: float) -> bool:
+        """Clip the gradients and update the weights with the learning rate (and the dropout) the
+        budget plans `seconds` into training; False when the update was skipped (not finite)."""
         self.scaler.unscale_(self.optimizer)
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm or math.inf)
         # fp16's gradient scaler skips overflowing steps itself; only a non-finite loss is bad there.
@@ -117,45 +113,18 @@ class Trainer:
         if not bool(finite):
             self.optimizer.zero_grad(set_to_none=True)
             self.scaler.update()
-            return None
+            return False
         self.state.step += 1
-        seconds = float(mean_seconds) if self.world.distributed else seconds
-        lr = self.learning_rate(seconds)
-        if self.tcfg.long_budget_epochs and not self.state.planned_epochs:
-            progress, dropout = self.progress(seconds), self.cfg.model.dropout
-            message = plan_dropout(self.model, self.state, self.tcfg, dropout, progress, self.batches.epoch_size)
-            if message and self.world.is_main:
-                log.info(message)
+        lr = self.plan.learning_rate(self.state, seconds)
+        message = self.plan.plan_dropout(self.model, self.state, seconds)
+        if message and self.world.is_main:
+            log.info(message)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / n_tokens
-
-    def progress(self, seconds: float) -> float:
-        """The fraction of the training budget used before the current step: of the steps, epochs,
-        tokens or minutes, whichever limit is nearest. (Before, so the last step still learns.)"""
-        t, state = self.tcfg, self.state
-        used = [(state.step - 1) / t.max_steps]
-        if t.max_minutes:
-            used.append(seconds / (60 * t.max_minutes))
-        if t.max_tokens_seen:
-            used.append(state.train_tokens / t.max_tokens_seen)
-        if t.max_epochs:
-            used.append(state.epochs_done(self.batches.epoch_size, unconsumed=t.accumulate) / t.max_epochs)
-        return min(max(used), 1.0)
-
-    def learning_rate(self, seconds: float) -> float:
-        t, state = self.tcfg, self.state
-        progress = self.progress(seconds)
-        ramp = warmup_ramp(state.step, t.warmup_steps, progress, t.warmup_fraction)
-        if ramp >= 1 and not state.warmup_end:
-            state.warmup_end = min(state.step, t.warmup_steps)  # a run resumed from before warmup_end was saved
-            if state.warmup_end == state.step:
-                state.warmup_progress = progress
-        warmup = state.warmup_end or t.warmup_steps
-        return scheduled_lr(t.schedule, state.step, t.lr, warmup, progress, state.warmup_progress, t.cooldown, ramp)
+        return True
 
     def backward(self, batch: Batch, n_tokens: Tensor, n_batches: int) -> Tensor:
         """Forward and backward of one batch; returns its summed label-smoothed loss.
@@ -171,9 +140,9 @@ class Trainer:
         chunked = self.chunked_loss and not self.tcfg.rdrop  # R-Drop's KL needs the logits
         with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
             out = self.forward_model(src, tgt_in, project=not chunked)
-        weight, bias = (self.model.output_weight, self.model.logits_bias) if chunked else (None, None)
+        chunked_loss = self.model.chunked_cross_entropy if chunked else None
         loss, objective = training_objective(
-            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, weight, self.amp_dtype, self.onednn, bias
+            out, batch.tgt_out, pad, smoothing, self.tcfg.rdrop, self.amp_dtype, chunked_loss
         )
         objective = objective * self.world.size / n_tokens
         aux = self.model.auxiliary_loss()  # MoH load balancing, already weighted
@@ -226,91 +195,19 @@ class Trainer:
         self.monitor.valid(self.state.step, loss, bleu, result.chrf, self.state.train_seconds / 60)
         return bleu if bleu is not None else -loss
 
-    # ---- checkpoints
-
-    def save(self, name: str, with_optimizer: bool = True) -> Path:
-        """A weights-only checkpoint, or with_optimizer a resumable one: everything `restore` needs,
-        the best checkpoint's weights among it when they are not the current ones."""
-        path = self.run_dir / name
-        extra = {}
-        if with_optimizer:
-            extra = {
-                "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "train_state": vars(self.state).copy(),
-                "rng": rng_states(),
-                "log_window": self.window.state(),
-            }
-            if self.state.best_step != self.state.step and self.best_model is not None:
-                extra["best_model"] = self.best_model
-        checkpoint.save(
-            path, self.model, self.tokenizer, train_config=to_plain(self.cfg), step=self.state.step, **extra
-        )
-        return path
+    # ---- resuming
 
     def restore(self, payload: dict) -> None:
-        """Continue exactly where a checkpoint written by `save` left off: weights, optimizer,
-        scaler, step, epoch, position in the epoch's batches, every random generator, the log
-        line's window and the best checkpoint's weights."""
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        self.scaler.load_state_dict(payload["scaler"])
-        self.state = TrainState(**payload["train_state"])
-        set_rng_states(payload["rng"])
-        if self.state.planned_epochs:
-            apply_plan(self.model, self.state, self.tcfg, self.cfg.model.dropout)
-        if "log_window" in payload:
-            self.window.restore(payload["log_window"], self.device)
-        if self.state.best_step == self.state.step:
-            self.best_model = cpu_copy(self.model.state_dict())
-        elif "best_model" in payload:
-            self.best_model = payload["best_model"]
+        """Continue exactly where a resumable checkpoint left off (checkpoints.py), with the
+        dropout the budget planned."""
+        self.state = self.checkpoints.restore(payload)
+        self.plan.apply(self.model, self.state)
         log.info(
             "resumed at step %d (epoch %d, batch %d of the epoch)",
             self.state.step,
             self.state.epoch,
             self.state.batch_in_epoch,
         )
-
-    def save_numbered(self) -> None:
-        """checkpoint_<step>.pt, keeping the newest trainer.keep_last of them."""
-        if self.tcfg.keep_last <= 0:
-            return
-        self.save(f"checkpoint_{self.state.step}.pt", with_optimizer=False)
-        checkpoint.keep_newest(self.run_dir, self.tcfg.keep_last)
-
-    def after_validation(self, value: float) -> bool:
-        """Track the best score and save checkpoints; return True when early stopping says to stop.
-
-        The files are written so that a crash between any two leaves a consistent run: the
-        numbered checkpoint first (a resumed run writes it again), then checkpoint_last.pt, which
-        commits the validation and holds what checkpoint_best.pt is made of, then the best."""
-        improved = value > self.state.best_score
-        if improved:
-            self.state.best_score, self.state.best_step, self.state.bad_evals = value, self.state.step, 0
-            self.best_model = cpu_copy(self.model.state_dict())
-        else:
-            self.state.bad_evals += 1
-        self.save_numbered()
-        self.save("checkpoint_last.pt")
-        if improved:
-            self.save("checkpoint_best.pt", with_optimizer=False)
-        return not improved and 0 < self.tcfg.patience <= self.state.bad_evals
-
-    def restore_best(self) -> None:
-        """Make checkpoint_best.pt hold the best weights that checkpoint_last.pt records (a crash
-        between the two, or a run resumed into a new directory, leaves it stale or missing)."""
-        path = self.run_dir / "checkpoint_best.pt"
-        if not self.state.best_step or (path.is_file() and checkpoint.load(path)["step"] == self.state.best_step):
-            return
-        if self.best_model is None:  # a checkpoint from before best_model was saved with it
-            log.warning("%s is missing or stale and the resumed checkpoint lacks its weights; the next validation writes it", path)  # fmt: skip
-            self.state.best_score, self.state.best_step = -math.inf, 0
-            return
-        checkpoint.save(
-            path, self.model, self.tokenizer, to_plain(self.cfg), self.state.best_step, weights=self.best_model
-        )
-        log.info("wrote %s (step %d) from the resumed checkpoint", path, self.state.best_step)
 
     # ---- the loop
 
@@ -353,7 +250,7 @@ class Trainer:
             self.state.train_seconds = time.monotonic() - started
             # A signal, or a stop too soon after a validation to number a near-copy of its checkpoint
             if self.world.is_main and (interrupted or (reason and not validated)):
-                self.save("checkpoint_last.pt")
+                self.checkpoints.save("checkpoint_last.pt", self.state)
             if interrupted:
                 self.world.barrier()
                 signum = stop.signum or signal.SIGTERM  # a rank without the signal stops with the others
@@ -382,7 +279,8 @@ class Trainer:
             value = self.validate()
             self.state.valid_seconds += time.monotonic() - valid_started
             self.state.train_seconds = time.monotonic() - started  # the saved clock counts this validation
-            if self.after_validation(value):
+            improved = self.checkpoints.after_validation(self.state, value)
+            if not improved and 0 < self.tcfg.patience <= self.state.bad_evals:
                 reason = f"no better validation score in trainer.patience={self.tcfg.patience} validations"
         return self.world.broadcast(reason)
 
@@ -401,12 +299,3 @@ class Trainer:
             "step %d epoch %d: loss %.3f lr %.2e %.0f tok/s",
             self.state.step, self.state.epoch, loss, lr, tok_per_s,
         )  # fmt: skip
-
-
-def cpu_copy(state_dict: dict) -> dict:
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state_dict.items()}
-
-
-def to_plain(cfg) -> dict:
-    """A dataclass config as nested plain dicts/lists (safe for weights_only loading)."""
-    return asdict(cfg)

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..batching import TokenizedCorpus, collate, token_batches
-from ..decoding import DecodeConfig, translate_ids
+from ..decoding import DecodeConfig
 from ..evaluation import score
 from ..monitoring import progress_bar
+from ..translator import Translator
 from .objective import label_smoothed_loss
 
 
@@ -45,7 +46,7 @@ def validate(
     result = Validation(validation_loss(model, data, tokenizer, max_tokens, device, amp_dtype))
     if bleu:
         with progress_bar(len(data), "validate") as bar:
-            n_best = translate_ids(model, data.src, tokenizer, decode.greedy(), device, bar)
+            n_best = Translator.of_training(model, tokenizer, decode.greedy()).translate_ids(data.src, progress=bar)
         result.hyp_ids = [hyps[0].tokens for hyps in n_best]
         result.hyps = tokenizer.decode(result.hyp_ids)
         scores = score(result.hyps, data.tgt_text)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import DataError
-from .model import ModelConfig, Transformer
-from .tokenizer import Tokenizer, Vocabulary
+from ..errors import DataError
+from ..model import ModelConfig, Transformer
+from ..tokenizer import Tokenizer, Vocabulary
 
 ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}  # Hugging Face's name -> ours
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

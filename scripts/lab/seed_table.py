@@ -1,8 +1,8 @@
 """One recipe over several seeds: each seed's scores, their mean and standard deviation, and paired
 tests of each seed against another system, as docs/RESULTS.md reports each recipe.
 
-    python scripts/seed_table.py runs=[RUN1,RUN2,RUN3]
-    python scripts/seed_table.py runs=[RUN1,RUN2,RUN3] baseline=OTHER_RUN
+    python scripts/lab/seed_table.py runs=[RUN1,RUN2,RUN3]
+    python scripts/lab/seed_table.py runs=[RUN1,RUN2,RUN3] baseline=OTHER_RUN
 
 Each RUN is a train.py run directory. Its hypotheses RUN/<split>.<decoding>.<target language> are
 scored against the references of the run's corpus (RUN/.hydra/config.yaml) with sacreBLEU: BLEU

@@ -5,14 +5,14 @@
 # validation-chosen ensemble as on the CPU, but no test split is decoded: only validation BLEU is
 # reported, so a choice made on this screen cannot have looked at a test score.
 #
-#   bash scripts/gpu_screen.sh "" "data.subword_alpha=0.2" "model.dropout=0.25"
+#   bash scripts/lab/gpu_screen.sh "" "data.subword_alpha=0.2" "model.dropout=0.25"
 #
 # Each argument is one variant's Hydra overrides ("" is the recipe itself); EXPERIMENT names the
 # recipe (default multi30k_en_de). TESTS=1 also decodes the recipe's test splits, for a report
 # made after the choice (the summary then prints them beside validation, which alone chooses).
 # Results go to $OUT (default outputs/gpu_screen): summary.txt and the variants' logs and
 # results.json in screen.tgz. Wheels of packages the machine lacks may be in .whl/
-# (scripts/gpu_wheels.sh).
+# (scripts/lab/gpu_wheels.sh).
 #
 # Measured on an H100 (docs/RESULTS.md): a member of the small en-de recipe trains about 6 steps/s
 # there, held back by its CPU side (11% GPU use in the one reading with two), so 4,540 steps take
@@ -30,7 +30,7 @@ tests=()
 runs=/tmp/screen
 mkdir -p "$out" $runs
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD MPLBACKEND=Agg
-source scripts/gpu_wheels.sh
+source scripts/lab/gpu_wheels.sh
 gpu_use_carried_wheels || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/summary.txt"
 

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from .errors import ConfigError
-from .model import ModelConfig, Transformer
-from .tokenizer import Tokenizer
+from ..errors import ConfigError
+from ..model import ModelConfig, Transformer
+from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .decoding import DecodeConfig
+    from ..decoding import DecodeConfig
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "bfloat16")
 SOURCE_MODEL, TARGET_MODEL = "spm.src.model", "spm.model"  # a joint vocabulary has spm.model alone
@@ -248,7 +248,7 @@ results = translator.translate_batch(pieces, beam_size=5, max_decoding_length=64
 print(tgt.decode(results[0].hypotheses[0]))
 ```
 
-Decoding as our `translate.py` does, up to length normalization: `transformer.export.translate_ids`.
+Decoding as our `translate.py` does, up to length normalization: `transformer.interop.export.translate_ids`.
 CTranslate2 divides a beam's log-probability by length ** length_penalty, not by GNMT's
 ((5 + length) / 6) ** alpha; at 0 both rank by log-probability alone.
 """

@@ -1,7 +1,7 @@
 """How closely the CTranslate2 export and int8 decoding follow our own fp32 decoding of a checkpoint:
 share of identical outputs, sacreBLEU of each, and decoding time, on one test split.
 
-    python scripts/compare_exported.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt sentences=500
+    python benchmarks/compare_exported.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt sentences=500
 
 For greedy search and beam search (beam_size), it decodes the first `sentences` sentences of
 `split` with: ours in fp32 (the reference for the shares), ours with decode.precision=int8, and
@@ -26,15 +26,16 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import hardware, timed
+from common import hardware, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
-from transformer.decoding import DecodeConfig, load_decoder, translate_ids
+from transformer.decoding import DecodeConfig
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
-from transformer.export import export, require_ctranslate2
-from transformer.export import translate_ids as ctranslate2_ids
 from transformer.files import atomic_write_text, check_output
+from transformer.interop.export import export, require_ctranslate2
+from transformer.interop.export import translate_ids as ctranslate2_ids
+from transformer.translator import Translator
 
 
 @dataclass
@@ -58,14 +59,14 @@ class CompareConfig:
 def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     """name -> function(sources, decode config) -> token ids; the tokenizer; max_positions."""
     ct2 = require_ctranslate2()
-    _, fp32, tokenizer, _ = load_decoder(cfg.checkpoint, [], "cpu")
-    _, int8, _, _ = load_decoder(cfg.checkpoint, [], "cpu", precision="int8")
-    export(fp32, tokenizer, directory, "float32")
+    fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(precision=p)) for p in ("fp32", "int8"))
+    tokenizer = fp32.tokenizer
+    export(fp32.model, tokenizer, directory, "float32")
     threads = torch.get_num_threads()
-    limit = fp32.cfg.max_positions
+    limit = fp32.model.cfg.max_positions
 
-    def ours(model, precision):
-        return lambda src, dc: [h[0].tokens for h in translate_ids(model, src, tokenizer, dataclasses.replace(dc, precision=precision), "cpu")]  # fmt: skip
+    def ours(translator, precision):
+        return lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dataclasses.replace(dc, precision=precision))]  # fmt: skip
 
     def theirs(compute_type):
         translator = ct2.Translator(str(directory), device="cpu", compute_type=compute_type, intra_threads=threads)

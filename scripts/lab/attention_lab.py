@@ -1,9 +1,9 @@
 """Compare the attention variants on Multi30k at the same training wall-clock budget and write
 the table of docs/ATTENTION.md.
 
-    python scripts/attention_lab.py minutes=10                 # train what is missing, then report
-    python scripts/attention_lab.py minutes=10 only=[mha,moh]  # a subset
-    python scripts/attention_lab.py report_only=true           # rewrite the table from finished runs
+    python scripts/lab/attention_lab.py minutes=10                 # train what is missing, then report
+    python scripts/lab/attention_lab.py minutes=10 only=[mha,moh]  # a subset
+    python scripts/lab/attention_lab.py report_only=true           # rewrite the table from finished runs
 
 Each variant is one `train.py` run (the default experiment, multi30k_de_en, with the overrides
 below and trainer.max_minutes=minutes) in out/<variant>; a finished run (results.json present)
@@ -23,17 +23,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from transformer.checkpoint import load_model, train_config_of
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
-from transformer.decoding import DecodeConfig, translate
+from transformer.decoding import DecodeConfig
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_write_text, check_output
-from transformer.gqa import kv_cache_bytes_per_token
+from transformer.interop.gqa import kv_cache_bytes_per_token
+from transformer.translator import Translator
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The attention variants are compared in the paper's block (post-norm, sinusoidal positions,
 # LayerNorm, ReLU), whatever block the default recipe uses; "modern" swaps the whole block.
@@ -92,12 +91,13 @@ def train(name: str, overrides: list[str], cfg: LabConfig, out: Path) -> None:
 
 def decode_speed(run_dir: Path, n: int) -> float:
     """Beam-5 sentences per second on the first n test_2016_flickr sources (batched as translate.py does)."""
-    model, tokenizer, payload = load_model(run_dir / "checkpoint_best.pt")
-    data = train_config_of(payload, run_dir / "checkpoint_best.pt")["data"]
+    beam = DecodeConfig(strategy="beam", beam_size=5)
+    translator = Translator.load(run_dir / "checkpoint_best.pt", [], "cpu", beam)
+    data = train_config_of(translator.payload, run_dir / "checkpoint_best.pt")["data"]
     split = load_split(DataConfig(dir=data["dir"], src_lang=data["src_lang"], tgt_lang=data["tgt_lang"]), "test_2016_flickr")  # fmt: skip
     sources = list(split["src"])[:n]
     started = time.perf_counter()
-    translate(model, sources, tokenizer, DecodeConfig(strategy="beam", beam_size=5), torch.device("cpu"))
+    translator.translate(sources)
     return len(sources) / (time.perf_counter() - started)
 
 

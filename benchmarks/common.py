@@ -1,12 +1,11 @@
-"""Helpers shared by the benchmark scripts: what hardware we ran on, its matmul peak, timing (in
-this process, or CTranslate2's in a child process), the models compared (ours, Hugging Face's
-MarianMT, torch.nn.Transformer completed into a translation model) and other processes that keep
-cores busy."""
+"""What the benchmarks of this folder share (they import it as `common`: `python benchmarks/NAME.py`
+puts the folder on sys.path): what hardware we ran on, its matmul peak, timing (in this process, or
+CTranslate2's in a child process), the models compared (ours, Hugging Face's MarianMT,
+torch.nn.Transformer completed into a translation model) and other processes that keep cores busy."""
 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -19,49 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .blocks import SinusoidalPositions
-from .devices import CPU_FEATURES, cpu_flags
-from .fast import accelerate
-from .model import ModelConfig, Transformer
-
-# The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to lower instruction sets,
-# as on other CPUs: read when each library starts, so set before torch is imported. A limit above
-# what the CPU has changes nothing. Used by the benchmarks' isa= option and by tests/isa_matrix.py.
-ISA_LIMITS = {
-    "avx2": {  # AVX2 only: an AMD Zen 3, most laptops
-        "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "ATEN_CPU_CAPABILITY": "avx2",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-        "CT2_FORCE_CPU_ISA": "AVX2",
-    },
-    "avx512_core": {  # AVX-512 without VNNI or BF16: a Skylake-class Xeon
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-        "CT2_FORCE_CPU_ISA": "AVX512",
-    },
-    "avx512_core_bf16": {  # AVX-512 with VNNI and BF16, no AMX: an AMD Zen 4 or 5
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-        "CT2_FORCE_CPU_ISA": "AVX512",
-    },
-}
-
-
-def limit_isa(isa: str | None, script: str, argv: list[str]) -> None:
-    """With isa="avx2" (or another key of ISA_LIMITS), run `script argv` again in a process whose
-    libraries use no instruction beyond that set, unless this one already is that process; measurement processes it
-    starts inherit the limit. isa=None: nothing."""
-    if isa is None:
-        return
-    if isa not in ISA_LIMITS:
-        raise ValueError(f"isa={isa!r} is not one of {tuple(ISA_LIMITS)}")
-    limits = ISA_LIMITS[isa]
-    if any(os.environ.get(key) != value for key, value in limits.items()):
-        os.execve(sys.executable, [sys.executable, script, *argv], {**os.environ, **limits})
-
-
-def isa_limit() -> str | None:
-    """The ISA_LIMITS this process runs under, if any."""
-    return next((isa for isa, limits in ISA_LIMITS.items() if all(os.environ.get(k) == v for k, v in limits.items())), None)  # fmt: skip
+from transformer.blocks import SinusoidalPositions
+from transformer.devices import CPU_FEATURES, cpu_flags, isa_limit
+from transformer.fast import accelerate
+from transformer.model import ModelConfig, Transformer
 
 
 def hardware() -> dict:

@@ -1,11 +1,11 @@
 """Training throughput against peer implementations, measured side by side in one run.
 
-    python scripts/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has bf16 matrix instructions)
-    python scripts/benchmark.py presets=[small] steps=5 output=bench.json
-    python scripts/benchmark.py presets=[small] threads=1 max_tokens=2048   # as one of two trainer.members
-    python scripts/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
-    python scripts/benchmark.py presets=[small_modern] implementations=[ours,ours-blas,ours-onednn] isa=avx2
-    python scripts/benchmark.py presets=[small_modern] implementations=[ours,ours-spin-default] busy=1 rounds=3
+    python benchmarks/benchmark.py                                  # small and base, fp32 (+ bf16 where the CPU has bf16 matrix instructions)
+    python benchmarks/benchmark.py presets=[small] steps=5 output=bench.json
+    python benchmarks/benchmark.py presets=[small] threads=1 max_tokens=2048   # as one of two trainer.members
+    python benchmarks/benchmark.py device=cuda precisions=[bf16] max_tokens=32768   # on a GPU
+    python benchmarks/benchmark.py presets=[small_modern] implementations=[ours,ours-blas,ours-onednn] isa=avx2
+    python benchmarks/benchmark.py presets=[small_modern] implementations=[ours,ours-spin-default] busy=1 rounds=3
 
 Presets: small (3+3 layers, d_model 256), base (6+6, 512), and small_modern, the default recipe's
 model (small with model/small_modern's block: measured for ours only, the peers lack that block).
@@ -55,19 +55,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from common import TorchTransformer, busy_cores, hardware, marian_model, matmul_peak, our_model
 from transformer import openmp
-from transformer.benchmarking import (
-    ISA_LIMITS,
-    TorchTransformer,
-    busy_cores,
-    hardware,
-    limit_isa,
-    marian_model,
-    matmul_peak,
-    our_model,
-)
 from transformer.cli import parse_args
-from transformer.devices import cpu_has_bf16_matmul, pick_device, require_cpp_compiler
+from transformer.devices import ISA_LIMITS, cpu_has_bf16_matmul, limit_isa, pick_device, require_cpp_compiler
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_write_text, check_output
 from transformer.training.optimizer import adam
@@ -145,8 +136,8 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
     from transformer.training.objective import training_objective
 
     runtime = RuntimeConfig(**runtime)
-    chunked = runtime.fast and runtime.chunked_loss
     model = our_model(VOCAB, layers, d_model, heads, d_ff, dropout=0.1, runtime=runtime, **(block or {}))
+    chunked = getattr(model, "chunked_loss", False)  # as the trainer asks the model its runtime built
     model.recompute = recompute
     forward = torch.compile(model, dynamic=True) if compile else model
 
@@ -154,10 +145,9 @@ def build_ours(layers, d_model, heads, d_ff, compile: bool = False, recompute: b
         out = forward(src, tgt_in, project=not chunked)
         device = src.device.type  # called under autocast when measuring bf16, as the trainer's forward is
         amp_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        weight = model.output_weight if chunked else None
         with torch.autocast(device, enabled=False):  # the trainer computes its loss outside autocast
-            bias = model.logits_bias if chunked else None
-            return training_objective(out, tgt_out, 0, 0.1, 0.0, weight, amp_dtype, runtime.onednn, bias)[0]
+            chunked_loss = model.chunked_cross_entropy if chunked else None
+            return training_objective(out, tgt_out, 0, 0.1, 0.0, amp_dtype, chunked_loss)[0]
 
     return model, loss
 
@@ -277,7 +267,7 @@ def run_isolated(impl: str, preset: str, precision: str, cfg: BenchConfig) -> di
     args = [
         sys.executable,
         __file__,
-        f"one={impl},{preset},{precision}",
+        f"one='{impl},{preset},{precision}'",
         f"steps={cfg.steps}",
         f"max_tokens={cfg.max_tokens}",
         f"data_dir={cfg.data_dir}",

@@ -3,7 +3,7 @@ sentences taken in turn from a file. Prints throughput, latency percentiles, err
 server's mean batch size over the run (from its /metrics); writes them as JSON.
 
     python serve.py checkpoint=PATH &
-    python scripts/load_test.py input=data/multi30k/val.de.gz clients=16 seconds=20 output=load.json
+    python benchmarks/load_test.py input=data/multi30k/val.de.gz clients=16 seconds=20 output=load.json
 
 Arguments (key=value, as for train.py):
     url=http://127.0.0.1:8000   the server

@@ -1,9 +1,9 @@
 """Decoding speed, measured side by side in one run: with and without the key/value cache, and
 against Hugging Face transformers' `generate` at the same model size.
 
-    python scripts/benchmark_decoding.py                      # both parts, random weights
-    python scripts/benchmark_decoding.py checkpoint=PATH sentences=300 peers=false output=bench.json
-    python scripts/benchmark_decoding.py device=cuda                 # on a GPU (device=auto picks it)
+    python benchmarks/benchmark_decoding.py                      # both parts, random weights
+    python benchmarks/benchmark_decoding.py checkpoint=PATH sentences=300 peers=false output=bench.json
+    python benchmarks/benchmark_decoding.py device=cuda                 # on a GPU (device=auto picks it)
 
 1. Cache: for each strategy (greedy, beam 5) it decodes the same Multi30k test_2016_flickr sources
    with the cached decoder and with full recomputation of the prefix at every step (`Uncached`),
@@ -21,7 +21,7 @@ against Hugging Face transformers' `generate` at the same model size.
    Each pair is timed `rounds` times, taking turns in alternating order; the medians are
    compared, so a machine whose speed drifts biases neither side.
 3. CTranslate2 (if ctranslate2 is installed; ctranslate2=false skips it): for each preset, our
-   random-weight model is exported (transformer/export.py) and the same weights decode the same
+   random-weight model is exported (transformer/interop/export.py) and the same weights decode the same
    `peer_sentences` sources in one batch, forced to `new_tokens` steps, greedy and beam 5: ours in
    fp32, bf16 (where the CPU has bf16 matrix instructions) and int8 (decode.precision=int8), and
    CTranslate2 with compute_type float32, int8 and bfloat16 (where its CPU build offers it), all with the same
@@ -44,26 +44,17 @@ from typing import Optional
 
 import torch
 
-from transformer.benchmarking import (
-    ISA_LIMITS,
-    CTranslate2InChild,
-    hardware,
-    limit_isa,
-    marian_model,
-    our_model,
-    padded,
-    timed,
-)
+from common import CTranslate2InChild, hardware, marian_model, our_model, padded, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig, Uncached, translate_ids
-from transformer.devices import cpu_has_bf16_matmul, pick_device
+from transformer.devices import ISA_LIMITS, cpu_has_bf16_matmul, limit_isa, pick_device
 from transformer.errors import exit_on_user_error
-from transformer.export import export
 from transformer.fast import accelerate
 from transformer.fast.int8 import quantize_int8
 from transformer.fast.linear import AVAILABLE as ONEDNN_AVAILABLE
 from transformer.files import atomic_write_text, check_output
+from transformer.interop.export import export
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.runtime import RuntimeConfig
 from transformer.tokenizer import Tokenizer
@@ -104,10 +95,10 @@ class BenchConfig:
 
 def model_and_tokenizer(cfg: BenchConfig, device):
     if cfg.checkpoint:
-        from transformer.checkpoint import load_model
+        from transformer.translator import Translator
 
-        model, tokenizer, _ = load_model(Path(cfg.checkpoint), device)
-        return accelerate(model), tokenizer, cfg.checkpoint
+        translator = Translator.load(cfg.checkpoint, [], str(device))
+        return translator.model, translator.tokenizer, cfg.checkpoint
     train = load_split(DataConfig(dir=cfg.data_dir), "train")
     tokenizer = Tokenizer.train(list(train["src"]) + list(train["tgt"]), cfg.vocab_size, "unigram")
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Time to quality: score a run as if it had been stopped after each of several training budgets.
 
-    python scripts/evaluate_budgets.py run=outputs/de-en/RUN minutes=[30,60,90] average=5
+    python scripts/lab/evaluate_budgets.py run=outputs/de-en/RUN minutes=[30,60,90] average=5
 
 For each budget M it takes the run's validations whose training clock (`train_minutes` in
 metrics.jsonl, counted as trainer.max_minutes counts it) is at most M, and scores on `splits`
@@ -32,9 +32,9 @@ from transformer.cli import parse_args, setup_logging
 from transformer.config import to_config
 from transformer.devices import pick_device
 from transformer.errors import ConfigError, exit_on_user_error
-from transformer.fast import accelerate
 from transformer.files import atomic_write_text, check_output
 from transformer.training.experiment import evaluate_tests
+from transformer.translator import Translator
 
 
 @dataclass
@@ -86,14 +86,13 @@ def main(argv: list[str]) -> None:
                 if missing or len(chosen) < (cfg.average if name != "best" else 1):
                     raise ConfigError(f"{run_dir} no longer holds {missing[0].name if missing else 'enough numbered checkpoints'} (raise trainer.keep_last)")  # fmt: skip
                 payload = checkpoint.average(chosen) if len(chosen) > 1 else checkpoint.load(chosen[0])
+                train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, chosen[-1])))
+                train_cfg.data.test_splits = list(cfg.splits)
                 with tempfile.TemporaryDirectory() as tmp:
                     path = Path(tmp) / "model.pt"
                     checkpoint.write(path, payload)
-                    model, tokenizer, _ = checkpoint.load_model(path, device)
-                    model = accelerate(model)
-                train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, chosen[-1])))
-                train_cfg.data.test_splits = list(cfg.splits)
-                scores = evaluate_tests(train_cfg, run_dir, model, tokenizer, device, tag=f"{budget:g}min.{name}.")
+                    translator = Translator.load(path, [], str(device), train_cfg.decode, train_cfg.runtime)
+                scores = evaluate_tests(train_cfg, run_dir, translator, tag=f"{budget:g}min.{name}.")
                 results[f"{budget:g}/{name}"] = {
                     "budget_minutes": budget,
                     "last_step": inside[-1]["step"],

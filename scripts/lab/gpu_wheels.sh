@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu_report.sh and scripts/gpu_screen.sh (which set $python): puts the wheels
+# Sourced by scripts/lab/gpu_report.sh and scripts/lab/gpu_screen.sh (which set $python): puts the wheels
 # carried in .whl/ (packages a lent GPU machine lacks, e.g. hydra-core or datasets) on PYTHONPATH
 # ahead of the working tree, then checks that the validation split loads. Does nothing when .whl/
 # holds no wheels.

@@ -1,9 +1,9 @@
 """decode.precision=int8 against fp32 through translate.py, under each instruction-set setting.
 
-    python scripts/benchmark_int8.py checkpoint=PATH                      # every setting, test_2016_flickr, beam 5
-    python scripts/benchmark_int8.py checkpoint=PATH isas=[native,avx2] rounds=3 split=val
+    python benchmarks/benchmark_int8.py checkpoint=PATH                      # every setting, test_2016_flickr, beam 5
+    python benchmarks/benchmark_int8.py checkpoint=PATH isas=[native,avx2] rounds=3 split=val
 
-For each setting (native: the CPU as it is; the others: ISA_LIMITS in transformer/benchmarking.py,
+For each setting (native: the CPU as it is; the others: ISA_LIMITS in transformer/devices.py,
 as on other CPUs), translate.py runs as a whole process with fp32 and with int8, in turns,
 `rounds` times; the table gives the median wall time of each, their ratio (int8 / fp32, measured
 in the same run), sacreBLEU of each against the split's references, and what int8's start-up
@@ -23,10 +23,9 @@ from pathlib import Path
 
 import sacrebleu
 
-from transformer.benchmarking import ISA_LIMITS
 from transformer.cli import parse_args, setup_logging
 from transformer.data import corpus_file, read_lines, write_lines
-from transformer.devices import describe_cpu
+from transformer.devices import ISA_LIMITS, describe_cpu
 from transformer.errors import exit_on_user_error
 
 ROOT = Path(__file__).resolve().parents[1]

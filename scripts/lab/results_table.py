@@ -1,7 +1,7 @@
 """Markdown tables of a run's test scores, as docs/RESULTS.md shows them.
 
-    python scripts/results_table.py run=outputs/de-en/RUN
-    python scripts/results_table.py run=outputs/de-en/RUN budgets=true   # also the budgets of evaluate_budgets.py
+    python scripts/lab/results_table.py run=outputs/de-en/RUN
+    python scripts/lab/results_table.py run=outputs/de-en/RUN budgets=true   # also the budgets of evaluate_budgets.py
 
 Reads RUN/results.json (written by train.py) and, with budgets=true, RUN/budgets.json. Prints
 one row per model (best checkpoint, average, or the ensemble of a trainer.members run), test split

@@ -1,0 +1,203 @@
+"""The one way in to translating: a `Translator` owns the model (one checkpoint, an ensemble, an
+imported or averaged checkpoint, or the model being trained), its runtime (the speed paths of
+transformer/fast/), its precision (fp32; bf16 or fp16 autocast; int8 linear layers), its device,
+its tokenizer and its decoding settings. translate.py, evaluate.py, serve.py, training's validation
+and test decoding, and every script that decodes go through it, so a precision or runtime option
+added here reaches all of them.
+
+    translator = Translator.load("checkpoint_best.pt", decode=DecodeConfig(precision="int8"))
+    translator.translate(["Ein Hund läuft."])            # -> ["A dog is running."]
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import threading
+from pathlib import Path
+
+import torch
+
+from .checkpoint import direction, language_pair, load_model, same_direction
+from .decoding import STRATEGIES, DecodeConfig, Ensemble, Hypothesis, encode_sources
+from .decoding import corpus as decoding
+from .decoding.alignment import align_translations
+from .devices import pick_device
+from .errors import ConfigError
+from .fast import accelerate
+from .fast.int8 import available as int8_available
+from .fast.int8 import quantize_int8
+from .runtime import RuntimeConfig
+
+
+class Translator:
+    """A model ready to decode with `decode`'s settings; one call at a time per Translator (`lock`
+    serializes callers from several threads, as the server's are)."""
+
+    def __init__(self, model, tokenizer, device, decode: DecodeConfig, payload: dict | None = None):
+        self.model, self.tokenizer, self.device, self.decode = model.eval(), tokenizer, torch.device(device), decode
+        self.payload = payload or {}
+        pair = language_pair(self.payload.get("train_config"))
+        self.language_pair = direction(pair) if pair else None  # e.g. "de-en"; None for a model without one
+        self.lock = threading.Lock()
+
+    @classmethod
+    def load(
+        cls,
+        checkpoint: str | Path,
+        ensemble: list[str] = (),
+        device: str = "auto",
+        decode: DecodeConfig | None = None,
+        runtime: RuntimeConfig | None = None,
+    ) -> Translator:
+        """A checkpoint (any written by train.py, scripts/average_checkpoints.py or
+        scripts/import_marian.py), or an ensemble of it and `ensemble`, each with `runtime`'s speed
+        paths and `decode.precision`. ConfigError names what cannot be decoded as asked."""
+        decode, runtime, device = decode or DecodeConfig(), runtime or RuntimeConfig(), pick_device(device)
+        check_precision(decode.precision, device)
+        model, tokenizer, payload = load_model(Path(checkpoint), device)
+        others = [load_model(Path(path), device) for path in ensemble]
+        pair = language_pair(payload.get("train_config"))
+        for path, (_, other_tokenizer, other_payload) in zip(ensemble, others):
+            other_pair = language_pair(other_payload.get("train_config"))
+            if not same_direction(pair, other_pair):
+                raise ConfigError(
+                    f"ensemble checkpoint {path} translates {direction(other_pair)}, but {checkpoint} translates {direction(pair)}"
+                )
+            if not other_tokenizer.same_as(tokenizer):
+                raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
+        int8 = decode.precision == "int8"
+        models = [accelerate(m, runtime, int8) for m in [model] + [m for m, _, _ in others]]
+        return cls(models[0] if len(models) == 1 else Ensemble(models), tokenizer, device, decode, payload)
+
+    @classmethod
+    def of_training(cls, model, tokenizer, decode: DecodeConfig) -> Translator:
+        """The model being trained (its runtime installed when it was built), decoding with
+        `decode`: under decode.precision=int8 a quantized copy, so the trained weights stay fp32."""
+        device = next(model.parameters()).device
+        check_precision(decode.precision, device)
+        if decode.precision == "int8":  # fp32 products where int8 is slower: oneDNN's where the runtime chose it
+            model = quantize_int8(copy.deepcopy(model), getattr(model, "onednn", False))
+        return cls(model, tokenizer, device, decode)
+
+    # ---- decoding
+
+    def settings(self, beam_size: int | None = None, n_best: int | None = None, length_penalty: float | None = None):
+        """These decode settings with a caller's changes (a server request's); a ValueError names a
+        bad combination. Asking for a beam or an n-best list asks for beam search."""
+        changes = {"beam_size": beam_size, "n_best": n_best, "length_penalty": length_penalty}
+        changes = {key: value for key, value in changes.items() if value is not None}
+        if "beam_size" in changes or changes.get("n_best", 1) > 1:
+            changes["strategy"] = "beam"
+        if "n_best" in changes and "beam_size" not in changes:
+            changes["beam_size"] = max(self.decode.beam_size, changes["n_best"])
+        return dataclasses.replace(self.decode, **changes)
+
+    def chosen(self, settings: DecodeConfig | None) -> DecodeConfig:
+        """`settings`, or this Translator's; the precision is the one the model was prepared for."""
+        settings = settings or self.decode
+        if settings.precision != self.decode.precision:
+            raise ValueError(
+                f"decode.precision={settings.precision}, but this model was loaded for decode.precision={self.decode.precision}"
+            )
+        return settings
+
+    def translate_ids(self, sources: list[list[int]], settings=None, progress=None, prefixes=None, constraints=None):
+        """n-best lists (Hypothesis) of token-id sentences, in input order (decoding/corpus.py)."""
+        with self.lock:
+            return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints)  # fmt: skip
+
+    def translate_texts(self, texts: list[str], settings=None, progress=None, source_name="input", first_line=1, prefixes=None, constraints=None):  # fmt: skip
+        """n-best lists of texts in input order; an empty text gets empty hypotheses. Warnings name
+        texts[0] as line `first_line` of source_name. prefixes / constraints: decoding/inputs.py."""
+        with self.lock:
+            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints)  # fmt: skip
+
+    def translate(self, texts: list[str], settings=None, progress=None, source_name="input") -> list[str]:
+        """The best translation of each text, in input order; empty texts give empty translations."""
+        n_best = self.translate_texts(texts, settings, progress, source_name)
+        return self.tokenizer.decode([hyps[0].tokens for hyps in n_best])
+
+    def translate_corpus(self, corpus, settings=None, progress=None) -> list[str]:
+        """The best translation of each sentence of a tokenized corpus (batching.TokenizedCorpus)."""
+        n_best = self.translate_ids(corpus.src, settings, progress)
+        return self.tokenizer.decode([hyps[0].tokens for hyps in n_best])
+
+    def align(self, texts: list[str], n_best: list[list[Hypothesis]], settings=None) -> list[list[str]]:
+        """Each hypothesis's word alignment to its source, as i-j pairs (decoding/alignment.py)."""
+        with self.lock:
+            return align_translations(self.model, texts, n_best, self.tokenizer, self.chosen(settings), self.device)
+
+    # ---- what the server asks of a model
+
+    @property
+    def max_source_tokens(self) -> int:
+        return self.model.cfg.max_positions - 1  # the EOS takes one position
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Source token ids; an over-long text is truncated to what the model's positions allow (with a warning)."""
+        return encode_sources(texts, self.tokenizer, self.max_source_tokens, "request")
+
+    def translate_batch(self, sources: list[list[int]], settings: DecodeConfig) -> list[list[Hypothesis]]:
+        """n-best lists of token-id sentences in input order; an empty one gets empty hypotheses."""
+        todo = [i for i, ids in enumerate(sources) if ids]
+        empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[settings.strategy].hypotheses_per_sentence(settings)
+        out = [empty for _ in sources]
+        for i, hyps in zip(todo, self.translate_ids([sources[i] for i in todo], settings)):
+            out[i] = hyps
+        return out
+
+    def check(self) -> None:
+        """Decode one short sentence as a request is decoded, with these settings; raises when the
+        model cannot: an error, no hypothesis (a model with NaN weights ends none), or a
+        log-probability that is not a finite number."""
+        sources = self.encode(["Hello."])
+        if not sources[0]:
+            raise RuntimeError("the tokenizer encodes the check sentence 'Hello.' to no tokens")
+        log_probs = [h.log_prob for h in self.translate_batch(sources, self.decode)[0]]
+        if not log_probs or not all(math.isfinite(p) for p in log_probs):
+            raise RuntimeError(f"the check sentence 'Hello.' decoded to {len(log_probs)} hypotheses, log-probabilities {log_probs}")  # fmt: skip
+
+    def texts(self, hypotheses: list[Hypothesis]) -> list[str]:
+        return self.tokenizer.decode([h.tokens for h in hypotheses])
+
+    @property
+    def first_model(self):
+        """The model whose attention is shown: the first member of an ensemble."""
+        return self.model.models[0] if isinstance(self.model, Ensemble) else self.model
+
+    @property
+    def n_layers(self) -> int:
+        return self.first_model.cfg.n_decoder_layers
+
+    @torch.no_grad()
+    def cross_attention(self, source: str, translation: str, layer: int) -> dict:
+        """Decoder layer `layer`'s cross-attention for the pair, averaged over heads: weights[i][j] is
+        how much the step that wrote target token i looked at source token j (both end in </s>)."""
+        if not -self.n_layers <= layer < self.n_layers:
+            raise ValueError(
+                f"layer={layer} is not a decoder layer: the model has {self.n_layers} (0..{self.n_layers - 1})"
+            )
+        src_ids = self.encode([source])[0]
+        tgt_ids = self.tokenizer.encode([translation])[0][: self.first_model.cfg.max_positions - 1]
+        src = torch.tensor([src_ids + [self.tokenizer.eos_id]], device=self.device)
+        tgt = torch.tensor([[self.tokenizer.bos_id] + tgt_ids], device=self.device)  # row i predicts token i
+        with self.lock:
+            weights = self.first_model.attention_weights(src, tgt)["cross"][layer]  # (1, heads, tgt_len, src_len)
+        source_piece, target_piece = self.tokenizer.source.id_to_piece, self.tokenizer.id_to_piece
+        return {
+            "layer": layer % self.n_layers,
+            "layers": self.n_layers,
+            "source_tokens": [source_piece(i) for i in src_ids] + ["</s>"],
+            "target_tokens": [target_piece(i) for i in tgt_ids] + ["</s>"],
+            "weights": weights[0].float().mean(0).cpu().tolist(),  # (tgt_len, src_len)
+        }
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """int8 decodes on a CPU, with torch's oneDNN quantized product."""
+    if precision == "int8" and device.type != "cpu":
+        raise ConfigError(f"decode.precision=int8 decodes on the CPU only, but device={device.type}")
+    if precision == "int8" and not int8_available():
+        raise ConfigError("decode.precision=int8 needs torch built with oneDNN's quantized linear; this torch has none")
