@@ -122,4 +122,4 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = F
     return transformer
 
 
-__all__ = ["FAST_CLASSES", "RuntimeConfig", "accelerate", "fast_class", "install"]
+__all__ = ["FAST_CLASSES", "accelerate", "fast_class", "install"]
