@@ -116,12 +116,12 @@ def command_help(schema: type, doc: str) -> str:
     return f"{doc.strip()}\n\n{tail}--cfg job prints the composed config; --help this text.\n"
 
 
-def quoted_if_needed(override: str) -> str:
+def quoted_if_needed(override: str, parser: OverridesParser) -> str:
     """`override` as Hydra parses it, or, where its grammar cannot (a sentence with non-ASCII
     letters, a path holding '='), with the value quoted: these commands take text and paths as
     values, which train.py's overrides do not."""
     try:
-        OverridesParser.create().parse_override(override)
+        parser.parse_override(override)
         return override
     except HydraException:
         key, value = override.split("=", 1)
@@ -144,7 +144,8 @@ def compose_command(argv: list[str], schema: type, doc: str, name: str):
     bad = [a for a in argv if "=" not in a]
     if bad:
         raise ConfigError(f"expected key=value arguments, got {bad[0]!r} (see --help)")
-    argv = [quoted_if_needed(arg) for arg in argv]
+    parser = OverridesParser.create()
+    argv = [quoted_if_needed(arg, parser) for arg in argv]
     store = ConfigStore.instance()
     store.store(name=f"{name}_schema", node=schema)
     store.store(name=name, node={"defaults": [f"{name}_schema", *group_defaults(schema), "_self_"]})

@@ -116,13 +116,13 @@ class Translator:
 
     def translate(self, texts: list[str], settings=None, progress=None, source_name="input") -> list[str]:
         """The best translation of each text, in input order; empty texts give empty translations."""
-        n_best = self.translate_texts(texts, settings, progress, source_name)
-        return self.tokenizer.decode([hyps[0].tokens for hyps in n_best])
+        with self.lock:
+            return decoding.translate(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name)  # fmt: skip
 
-    def translate_corpus(self, corpus, settings=None, progress=None) -> list[str]:
+    def translate_corpus(self, corpus, settings=None) -> list[str]:
         """The best translation of each sentence of a tokenized corpus (batching.TokenizedCorpus)."""
-        n_best = self.translate_ids(corpus.src, settings, progress)
-        return self.tokenizer.decode([hyps[0].tokens for hyps in n_best])
+        with self.lock:
+            return decoding.translate_corpus(self.model, corpus, self.tokenizer, self.chosen(settings), self.device)
 
     def align(self, texts: list[str], n_best: list[list[Hypothesis]], settings=None) -> list[list[str]]:
         """Each hypothesis's word alignment to its source, as i-j pairs (decoding/alignment.py)."""
