@@ -16,6 +16,7 @@ evaluates; the others wait for it.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -119,5 +120,8 @@ def start(device: torch.device) -> World:
 
 
 def stop(world: World) -> None:
+    """Leave the process group. Objects still holding it (the DDP wrapper of a finished run) go
+    first, so that its gloo threads are joined here and not at interpreter exit."""
     if world.distributed and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -320,8 +320,15 @@ def run_in_world(
         torch.manual_seed(cfg.seed + 1000 * world.rank + trainer.state.step)
     trainer.fit()
     world.barrier()
-    if not world.is_main:
-        return {}
+    results = evaluate_best(cfg, run_dir, trainer, model, tokenizer, valid, device, tests) if world.is_main else {}
+    world.barrier()  # every rank leaves together: none tears down its connections while rank 0 still works
+    return results
+
+
+def evaluate_best(
+    cfg, run_dir: Path, trainer: Trainer, model, tokenizer: Tokenizer, valid, device, tests: bool
+) -> dict:
+    """Rank 0's end of a run: the best checkpoint's test scores, results.json and the hparams."""
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
     summary = training_summary(trainer, best, run_dir)
