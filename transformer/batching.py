@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from torch import Tensor
 
 from .data import DataConfig
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 

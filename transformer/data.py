@@ -14,18 +14,27 @@ from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
-
-import datasets
+from typing import TYPE_CHECKING, Optional
 
 from .errors import DataError
 from .files import atomic_write_text
 
+if TYPE_CHECKING:
+    import datasets
+
 log = logging.getLogger(__name__)
-datasets.disable_progress_bars()
 
 
 SPM_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+def _datasets():
+    """The `datasets` library, imported when a corpus is first loaded: decoding never needs it
+    (it is half a second of start-up)."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets
 
 
 @dataclass
@@ -162,6 +171,7 @@ def corpus_file(directory: Path, split: str, lang: str) -> Path:
 def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     """One split as a Dataset with string columns "src" and "tgt". The training split with
     data.extra_src_langs holds each source language's pairs in turn, with a "src_lang" column."""
+    datasets = _datasets()
     many = split == cfg.train_split and bool(cfg.extra_src_langs)
     langs = [cfg.src_lang, *cfg.extra_src_langs] if many else [cfg.src_lang]
     if cfg.hub_name:
@@ -177,6 +187,7 @@ def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
 
 def load_pairs(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
     """The pairs src_lang -> cfg.tgt_lang of one split of the local corpus."""
+    datasets = _datasets()
     directory = Path(cfg.dir)
     src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, cfg.tgt_lang)
     if cfg.streaming and split == cfg.train_split:
@@ -196,6 +207,7 @@ def primary_rows(ds: datasets.Dataset, src_lang: str) -> datasets.Dataset:
 def load_mapped(src_path: Path, tgt_path: Path) -> datasets.Dataset:
     """Two aligned files as a Dataset backed by memory-mapped Arrow files in the datasets cache
     (built once, in a streaming pass): rows are read from disk when used, not held in memory."""
+    datasets = _datasets()
     sides = []
     for path, name in ((src_path, "src"), (tgt_path, "tgt")):
         try:
@@ -239,6 +251,7 @@ def write_lines(path: Path, lines: list[str]) -> None:
 def _load_hub_split(cfg: DataConfig, split: str, src_langs: list[str]) -> list[datasets.Dataset]:
     """The pairs of each source language with cfg.tgt_lang, from one load of the Hub split. Hub
     datasets come as a "translation" column of {lang: text} or as one column per language."""
+    datasets = _datasets()
     ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=split)
     langs = [*src_langs, cfg.tgt_lang]
     if "translation" in ds.column_names:

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from torch import Tensor
-from torch.utils.tensorboard import SummaryWriter
 
 from .files import atomic_write_text
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
     from .batching import Batch
 
 
@@ -78,6 +79,8 @@ class Monitor:
         if metrics.is_file():
             kept = [line for line in metrics.read_text(encoding="utf-8").splitlines() if record_step(line) <= step]
             atomic_write_text(metrics, "".join(line + "\n" for line in kept))
+        from torch.utils.tensorboard import SummaryWriter  # here: decoding commands never load it
+
         self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1 if step else None)
 
     def record(self, record: dict) -> None:
