@@ -9,7 +9,11 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
-    limits.max_batch_tokens=4096  limits.max_wait_ms=5       how requests are merged into decoding batches
+    limits.scheduler=continuous   sentences join and leave the running batch at every decoding step, on a
+                                  paged key/value cache; =request merges whole requests into batches
+    limits.pool_mib=256  limits.block_size=16   the continuous scheduler's key/value pool (allocated at start)
+    limits.max_batch_tokens=4096  source tokens that join a batch at once (request: per batch)
+    limits.max_wait_ms=5          request: how long the oldest request waits for others to join its batch
     access_log=false            uvicorn's line per request
     drain_seconds=30            after SIGTERM, how long the requests in flight may take before they are cut
 Endpoints: POST /v1/translate, POST /v1/align, GET /health, GET /metrics, GET / (docs/SERVING.md).
@@ -74,7 +78,7 @@ def main(argv: list[str]) -> None:
         translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
     app = create_app(translator, cfg.limits)
     host, port = sock.getsockname()[:2]
-    where = f"{translator.device}, decode.precision={cfg.decode.precision}"
+    where = f"{translator.device}, decode.precision={cfg.decode.precision}, scheduler={app.state.service.scheduler}"
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)
     run(app, sock, cfg.access_log, cfg.drain_seconds)
 

@@ -5,6 +5,7 @@ import importlib.util
 import subprocess
 import sys
 
+import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -14,7 +15,7 @@ from transformer.fast.int8 import Int8Linear, Int8Plan, exact_weight_levels
 from transformer.translator import Translator
 
 from .conftest import ROOT
-from .servers import QUICK, Server, build_checkpoint, corpus_lines
+from .servers import QUICK, Server, build_checkpoint, corpus_lines, translate_py
 
 pytestmark = pytest.mark.e2e  # builds a checkpoint and runs the commands
 
@@ -84,14 +85,20 @@ def test_translate_takes_a_decode_preset_from_configs(model_path, loaded, tmp_pa
 
 
 def test_serve_with_int8_serves_the_int8_model_over_http(model_path):
-    with Server(f"checkpoint={model_path}", *QUICK, "decode.precision=int8") as server:
-        import httpx
-
-        response = httpx.post(server.url + "/v1/translate", json={"text": corpus_lines("de", 2, "val")}, timeout=60)
-        log = "\n".join(server.log)
-    assert response.status_code == 200 and len(response.json()["translations"]) == 2
-    assert "decode.precision=int8:" in log  # the quantizer's report of what it chose (fast/int8.py)
-    assert "decode.precision=int8)" in log  # the serving line
+    """...under both schedulers, with translate.py's int8 translations, and /health says so."""
+    texts = corpus_lines("de", 3, "val")
+    expected = translate_py(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", stdin="".join(t + "\n" for t in texts))  # fmt: skip
+    assert expected.returncode == 0, expected.stderr
+    for scheduler in ("continuous", "request"):
+        with Server(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", f"limits.scheduler={scheduler}") as server:  # fmt: skip
+            response = httpx.post(server.url + "/v1/translate", json={"text": texts}, timeout=60)
+            health = httpx.get(server.url + "/health").json()
+            log = "\n".join(server.log)
+        assert response.status_code == 200
+        assert response.json()["translations"] == expected.stdout.splitlines()
+        assert (health["precision"], health["scheduler"]) == ("int8", scheduler)
+        assert "decode.precision=int8:" in log  # the quantizer's report of what it chose (fast/int8.py)
+        assert f"decode.precision=int8, scheduler={scheduler})" in log  # the serving line
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

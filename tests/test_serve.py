@@ -83,18 +83,28 @@ async def translate_concurrently(url: str, bodies: list[dict]) -> list[dict]:
     return [r.json() for r in responses]
 
 
+@pytest.fixture(scope="module")
+def request_server(model_path):
+    with Server(f"checkpoint={model_path}", *QUICK, *LIMITS, "limits.scheduler=request") as running:
+        yield running
+
+
 @pytest.mark.e2e
-def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, sentences):
-    alone = post(server, {"text": sentences}).json()["translations"]
-    beam2 = post(server, {"text": sentences, "beam_size": 2}).json()["translations"]
-    batches, merged = metric(server, "serve_batch_sentences_count"), metric(server, "serve_batch_sentences_sum")
-    bodies = [{"text": s} for s in sentences] + [{"text": [s], "beam_size": 2} for s in sentences]
-    answers = asyncio.run(translate_concurrently(server.url, bodies))
-    assert [a["translations"][0] for a in answers] == alone + beam2  # in order, and settings kept apart
-    assert metric(server, "serve_batch_sentences_sum") - merged == len(bodies)
-    new_batches = metric(server, "serve_batch_sentences_count") - batches
-    assert 2 <= new_batches < len(bodies)  # merged, but never across the two settings
-    assert max(a["timing"]["batch_requests"] for a in answers) > 1
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, request_server, sentences):
+    """Both schedulers: continuous batching runs every request's sentences in shared steps, the
+    request-level batcher merges requests with the same settings (never across two settings)."""
+    for running in (server, request_server):
+        alone = post(running, {"text": sentences}).json()["translations"]
+        beam2 = post(running, {"text": sentences, "beam_size": 2}).json()["translations"]
+        batches, translated = metric(running, "serve_batch_sentences_count"), metric(running, "serve_sentences_total")
+        bodies = [{"text": s} for s in sentences] + [{"text": [s], "beam_size": 2} for s in sentences]
+        answers = asyncio.run(translate_concurrently(running.url, bodies))
+        assert [a["translations"][0] for a in answers] == alone + beam2  # in order, and settings kept apart
+        assert metric(running, "serve_sentences_total") - translated == len(bodies)
+        assert max(a["timing"]["batch_requests"] for a in answers) > 1
+        if running is request_server:
+            new_batches = metric(running, "serve_batch_sentences_count") - batches
+            assert 2 <= new_batches < len(bodies)
 
 
 BAD = [  # (what is sent, status, what the error names)
@@ -253,7 +263,7 @@ def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_pat
     # The oldest request waits up to max_wait_ms in the queue for others: long here, so that it is
     # still there when the next request arrives and when SIGTERM comes.
     slow = Server(
-        f"checkpoint={model_path}", *QUICK, "limits.max_queue=1", "limits.max_wait_ms=3000", "drain_seconds=8"
+        f"checkpoint={model_path}", *QUICK, "limits.scheduler=request", "limits.max_queue=1", "limits.max_wait_ms=3000", "drain_seconds=8"
     ).wait()
     try:
         first, result = send_in_thread(slow.url, {"text": sentences[0]})

@@ -4,8 +4,8 @@ checkpoint (or an ensemble) to decode with is transformer.translator.Translator.
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -16,9 +16,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from ..fast.paged import PagedDecoder
 from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
 from .config import ServeLimits
+from .continuous import ContinuousBatcher
+from .engine import Engine, unsupported_settings
 from .metrics import Metrics
 from .protocol import RequestError, TranslateRequest, align_request, read_json, translate_request
 
@@ -57,7 +60,7 @@ class Service:
 
     def __init__(self, translator: Translator, limits: ServeLimits):
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
-        self.batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, self.metrics.batch)  # fmt: skip
+        self.scheduler, self.batcher = scheduler(translator, limits, self.metrics)
         self.model_loaded, self.model_error = False, None
 
     async def check_model(self) -> None:
@@ -125,9 +128,14 @@ class Service:
             "language_pair": t.language_pair,
             "decoder_layers": t.n_layers,
             "queue": len(self.batcher),
+            "precision": t.decode.precision,
+            "scheduler": self.scheduler,
             "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
             "limits": asdict(self.limits),
         }
+        if isinstance(self.batcher, ContinuousBatcher):
+            pool = self.batcher.engine.pool
+            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "promised": pool.promised}  # fmt: skip
         if self.model_error:
             body["error"] = self.model_error
         return JSONResponse(body, 200 if self.model_loaded else 503)
@@ -138,6 +146,25 @@ class Service:
 
     async def page(self) -> FileResponse:
         return FileResponse(STATIC / "index.html")
+
+
+def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> tuple[str, object]:
+    """The scheduler asked for, or the request-level one (with a warning naming why) where
+    continuous batching cannot run this model or these settings: its name and the batcher."""
+    if limits.scheduler == "continuous":
+        reason = PagedDecoder.supports(translator.model) or unsupported_settings(translator.decode)
+        if reason is None:
+            engine = Engine(translator.model, translator.tokenizer, translator.decode, translator.device, int(limits.pool_mib * 2**20), limits.block_size)  # fmt: skip
+            pool = engine.pool
+            log.info(
+                "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",
+                pool.n_blocks, pool.block_size, (pool.keys.nbytes + pool.values.nbytes) / 2**20,
+            )  # fmt: skip
+            batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
+            return "continuous", batcher
+        log.warning("limits.scheduler=continuous cannot run here (%s): serving with scheduler=request", reason)
+    batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, metrics.batch)  # fmt: skip
+    return "request", batcher
 
 
 def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:

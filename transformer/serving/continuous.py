@@ -1,0 +1,144 @@
+"""The continuous scheduler (limits.scheduler=continuous): requests hand their sentences to the
+step-level engine (engine.py) that a worker thread runs off the event loop. A request's sentences
+join the running batch at the next step, each leaves as soon as it ends, and the request is
+answered when its last one has. The request-level Batcher (batcher.py) offers the same methods,
+so the app takes either."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..decoding import DecodeConfig, Hypothesis
+from .batcher import Answer, QueueFull, resolve
+from .engine import Engine, Sentence
+
+
+@dataclass
+class Request:
+    """One request's sentences on their way through the engine."""
+
+    sources: list[list[int]]
+    settings: DecodeConfig
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.perf_counter)
+    n_best: list = field(default_factory=list)
+    left: int = 0  # sentences not yet ended
+    started_at: float | None = None  # when its first sentence joined the batch
+    batch_sentences: int = 0  # the most sentences in the batch while it ran
+    batch_requests: int = 0  # and the most requests
+
+
+class ContinuousBatcher:
+    """The engine, its worker thread and the requests on their way in; `on_step(sentences)` is
+    called after each decoding step with the sentences it ran."""
+
+    def __init__(self, engine: Engine, eos_id: int, max_new_tokens: int, max_queue: int, on_step=None, on_done=None):
+        self.engine, self.eos_id, self.max_new_tokens, self.max_queue = engine, eos_id, max_new_tokens, max_queue
+        self.on_step: Callable[[int], None] = on_step or (lambda sentences: None)
+        self.on_done: Callable[[int], None] = on_done or (lambda sentences: None)
+        self.incoming: list[Request] = []
+        self.changed = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        """Finish every sentence queued or running, then stop the worker."""
+        with self.changed:
+            self.closing = True
+            self.changed.notify()
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def __len__(self) -> int:
+        """Requests with a sentence that has not joined the batch yet."""
+        waiting = {id(s.request) for s in list(self.engine.waiting)}
+        return len(self.incoming) + len(waiting)
+
+    async def translate(self, sources: list[list[int]], settings: DecodeConfig) -> Answer:
+        request = Request(sources, settings, asyncio.get_running_loop().create_future())
+        with self.changed:
+            if self.closing:
+                raise QueueFull("the server is shutting down")
+            if len(self) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests wait); retry later")
+            self.incoming.append(request)
+            self.changed.notify()
+        return await request.future
+
+    def run(self) -> None:
+        while True:
+            with self.changed:
+                while not self.incoming and not self.engine.busy and not self.closing:
+                    self.changed.wait()
+                if not self.incoming and not self.engine.busy:
+                    return
+                incoming, self.incoming = self.incoming, []
+            for request in incoming:
+                self.hand_over(request)
+            try:
+                running = self.engine.step(self.max_new_tokens)
+            except Exception as e:  # a bug of ours: every sentence in the batch fails with it
+                self.fail_all(e)
+                continue
+            if running:
+                self.on_step(running)
+                self.note_batch(running)
+
+    def note_batch(self, running: int) -> None:
+        """When each running request started, and the largest batch it ran in."""
+        now, requests = time.perf_counter(), {id(s.request): s.request for s in self.engine.running}
+        for request in requests.values():
+            request.started_at = request.started_at or now
+            request.batch_sentences = max(request.batch_sentences, running)
+            request.batch_requests = max(request.batch_requests, len(requests))
+
+    def hand_over(self, request: Request) -> None:
+        """A request's sentences into the engine's queue; an empty one ends at once."""
+        request.n_best = [None] * len(request.sources)
+        request.left = len(request.sources)
+        empty = [Hypothesis([], 0.0, 0.0)] * (request.settings.n_best if request.settings.strategy == "beam" else 1)
+        try:
+            for i, ids in enumerate(request.sources):
+                if not ids:
+                    self.finish(request, i, empty)
+                    continue
+                sentence = Sentence(ids + [self.eos_id], request.settings, self.done_callback(request, i))
+                sentence.cancelled = request.future.done  # the client went away: its sentences leave
+                sentence.request = request
+                self.engine.add(sentence)
+        except ValueError as e:  # a sentence that could never fit in the pool
+            resolve(request.future, error=e)
+
+    def done_callback(self, request: Request, i: int):
+        def done(n_best: list[Hypothesis]) -> None:
+            self.finish(request, i, n_best)
+
+        return done
+
+    def finish(self, request: Request, i: int, n_best: list[Hypothesis]) -> None:
+        now = time.perf_counter()
+        if request.started_at is None:
+            request.started_at = now
+        request.n_best[i] = n_best
+        request.left -= 1
+        if request.left:
+            return
+        self.on_done(len(request.sources))
+        queue_ms = (request.started_at - request.queued_at) * 1000
+        decode_ms = (now - request.started_at) * 1000
+        answer = Answer(request.n_best, queue_ms, decode_ms, request.batch_sentences, request.batch_requests)
+        resolve(request.future, answer)
+
+    def fail_all(self, error: Exception) -> None:
+        for sentence in list(self.engine.running) + list(self.engine.waiting):
+            if sentence in self.engine.running:
+                self.engine.leave(sentence)
+            resolve(sentence.request.future, error=error)
+        self.engine.running, self.engine.waiting = [], []

@@ -1,0 +1,293 @@
+"""Continuous batching: a decoding loop that works one step at a time over every sentence being
+translated, whatever its request, its length or how far along it is.
+
+A sentence joins at the next step after its encoder pass; one that ends leaves at once, and its
+n-best list goes back then. Each step runs the decoder once over the rows of every sentence (one
+row per sentence for greedy search, one per beam for beam search) on the paged key/value cache
+of fast/paged.py. The search of each sentence follows decoding/search.py (greedy) and
+decoding/beam.py (beam), step by step, with the same functions where they apply, so a sentence
+gets the translation translate.py gives it.
+
+Memory: a sentence is admitted only when the pool can promise it every block it could need (its
+encoder keys and values, and beam_size rows at its longest), so a full pool makes new sentences
+wait and never fails a running one. `Engine.step` is not thread-safe: one thread drives it
+(serving/continuous.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..batching import pad
+from ..decoding import DecodeConfig, Hypothesis
+from ..decoding.beam import best_extensions, length_penalty, stay_in_place
+from ..decoding.search import argmax, max_lengths, strip_special
+from ..devices import autocast_dtype
+from ..fast.paged import BlockPool, PagedDecoder
+from ..model import padding_mask
+
+
+@dataclass
+class Row:
+    """One sequence of the decoding batch: a greedy sentence, or one beam."""
+
+    table: list[int]  # its blocks in the pool
+    tokens: list[int]  # generated so far, without BOS
+    score: float = 0.0  # log-probability
+
+
+@dataclass
+class Sentence:
+    """One source sentence being translated, and where its answer goes."""
+
+    ids: list[int]  # source token ids, EOS included
+    settings: DecodeConfig
+    done: Callable[[list[Hypothesis]], None]  # called with its n-best list when it ends
+    cancelled: Callable[[], bool] = lambda: False
+    request: object = None  # the caller's, for its own bookkeeping
+    max_len: int = 0
+    cross: list[int] = field(default_factory=list)  # the blocks of its encoder keys and values
+    reserved: int = 0  # blocks the pool promised it: the most it holds at once
+    rows: list[Row] = field(default_factory=list)
+    finished: list[Hypothesis] = field(default_factory=list)
+    step: int = 0
+
+    @property
+    def beam(self) -> bool:
+        return self.settings.strategy == "beam"
+
+    @property
+    def width(self) -> int:
+        return self.settings.beam_size if self.beam else 1
+
+
+class Engine:
+    """The running batch, the sentences waiting to join it and the pool they share."""
+
+    def __init__(self, model, tokenizer, decode: DecodeConfig, device, pool_bytes: int, block_size: int = 16):
+        reason = PagedDecoder.supports(model) or unsupported_settings(decode)
+        if reason:
+            raise ValueError(reason)
+        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+        self.amp = None if decode.precision == "int8" else autocast_dtype(decode.precision, self.device)
+        layers, kv_heads, head_size = PagedDecoder.pool_shape(model)
+        dtype = next(model.parameters()).dtype
+        per_block = BlockPool.bytes_per_block(block_size, layers, kv_heads, head_size, dtype)
+        n_blocks = max(pool_bytes // per_block, 1)
+        self.pool = BlockPool(n_blocks, block_size, layers, kv_heads, head_size, dtype, self.device)
+        self.decoder = PagedDecoder(model, self.pool)
+        self.waiting: list[Sentence] = []
+        self.running: list[Sentence] = []
+        self.limit = model.cfg.max_positions - 1
+        self.steps = 0
+
+    def need(self, sentence: Sentence) -> int:
+        """Blocks a sentence may take at most: its encoder keys and values, and every row at its longest."""
+        return self.pool.blocks_for(len(sentence.ids)) + sentence.width * self.pool.blocks_for(sentence.max_len)
+
+    def add(self, sentence: Sentence) -> None:
+        """Queue a sentence; ValueError when it could not fit in the pool even alone."""
+        src_mask = padding_mask(torch.tensor([sentence.ids]), self.model.cfg.pad_id)
+        sentence.max_len = int(max_lengths(src_mask, sentence.settings, self.limit)[0])
+        if self.need(sentence) > self.pool.n_blocks:
+            raise ValueError(
+                f"a sentence of {len(sentence.ids)} tokens needs {self.need(sentence)} blocks at beam size "
+                f"{sentence.width}; the pool has {self.pool.n_blocks} (raise limits.pool_mib)"
+            )
+        self.waiting.append(sentence)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self, max_new_tokens: int) -> int:
+        """Admit the waiting sentences that fit (at most max_new_tokens source tokens), then run
+        one decoding step over the whole batch. Returns the number of sentences it ran."""
+        self.drop_cancelled()
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            self.admit(max_new_tokens)
+            if not self.running:
+                return 0
+            logits = self.decode()
+            self.search(logits)
+        self.steps += 1
+        return len(self.running)
+
+    # --- Joining and leaving -------------------------------------------------------------------
+
+    def admit(self, max_new_tokens: int) -> None:
+        joining, tokens = [], 0
+        while self.waiting:
+            sentence = self.waiting[0]
+            if joining and tokens + len(sentence.ids) > max_new_tokens:
+                break
+            if not self.pool.reserve(self.need(sentence)):
+                break  # the pool is full: wait for running sentences to end
+            sentence.reserved = self.need(sentence)
+            joining.append(self.waiting.pop(0))
+            tokens += len(sentence.ids)
+        if not joining:
+            return
+        src = pad([s.ids for s in joining], self.model.cfg.pad_id).to(self.device)
+        memory, _ = self.model.encode(src, padding_mask(src, self.model.cfg.pad_id))
+        for sentence in joining:
+            sentence.cross = [self.pool.allocate() for _ in range(self.pool.blocks_for(len(sentence.ids)))]
+            # As in beam.py: one row expands at the first step, unless the vocabulary is too small.
+            first = 1 if not sentence.beam or self.model.cfg.vocab_size >= 2 * sentence.width else sentence.width
+            sentence.rows = [Row([], [], 0.0 if i == 0 else -math.inf) for i in range(first)]
+        self.decoder.store_memory(memory, [len(s.ids) for s in joining], [s.cross for s in joining])
+        self.running.extend(joining)
+
+    def leave(self, sentence: Sentence) -> None:
+        """Return a sentence's blocks and its reservation to the pool."""
+        for row in sentence.rows:
+            self.pool.release(row.table)
+        self.pool.release(sentence.cross)
+        self.pool.unreserve(sentence.reserved)
+        sentence.rows, sentence.cross, sentence.reserved = [], [], 0
+
+    def drop_cancelled(self) -> None:
+        for sentence in [s for s in self.running if s.cancelled()]:
+            self.leave(sentence)
+            self.running.remove(sentence)
+        self.waiting = [s for s in self.waiting if not s.cancelled()]
+
+    def end(self, sentence: Sentence, n_best: list[Hypothesis]) -> None:
+        self.leave(sentence)
+        self.running.remove(sentence)
+        sentence.done(n_best)
+
+    # --- The decoder step ----------------------------------------------------------------------
+
+    def decode(self) -> torch.Tensor:
+        """Logits (rows, vocab) for every row of the running sentences, in order."""
+        rows = [row for s in self.running for row in s.rows]
+        positions = [len(row.tokens) for row in rows]
+        write = [self.pool.writable(row.table, p)[0] for row, p in zip(rows, positions)]
+        bos = self.tokenizer.bos_id
+        width = max(len(s.rows) for s in self.running)
+        fold = [i * width + j for i, s in enumerate(self.running) for j in range(len(s.rows))]
+        longest = max(positions) + 1
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return self.decoder.step(
+            tokens=as_tensor([row.tokens[-1] if row.tokens else bos for row in rows]),
+            positions=as_tensor(positions),
+            write_slots=as_tensor(write),
+            self_slots=self.pool.slots([row.table for row in rows], longest),
+            self_lengths=as_tensor([p + 1 for p in positions]),
+            cross_slots=self.pool.slots([s.cross for s in self.running], max(len(s.ids) for s in self.running)),
+            cross_lengths=as_tensor([len(s.ids) for s in self.running]),
+            fold=as_tensor(fold),
+            width=width,
+        )
+
+    # --- The search ----------------------------------------------------------------------------
+
+    def search(self, logits: torch.Tensor) -> None:
+        """Each sentence's next step of greedy or beam search, in groups that share the settings
+        and the number of rows (so that each group is a few tensor operations)."""
+        groups: dict[tuple, list[tuple[Sentence, int]]] = {}
+        start = 0
+        for sentence in self.running:
+            key = (sentence.beam, len(sentence.rows), sentence.settings.beam_size)
+            groups.setdefault(key, []).append((sentence, start))
+            start += len(sentence.rows)
+        for (beam, width, _), members in groups.items():
+            index = torch.cat([torch.arange(start, start + width) for _, start in members]).to(logits.device)
+            sentences = [s for s, _ in members]
+            lprobs = self.log_probs(logits.index_select(0, index), sentences, width)
+            (self.beam_step if beam else self.greedy_step)(sentences, lprobs, width)
+        for sentence in self.running:
+            sentence.step += 1
+
+    def log_probs(self, logits: torch.Tensor, sentences: list[Sentence], width: int) -> torch.Tensor:
+        """decoding/beam.py's step_log_probs (and search.py's for greedy), with each sentence at its own step."""
+        eos, pad_id = self.tokenizer.eos_id, self.model.cfg.pad_id
+        lprobs = F.log_softmax(logits.float(), dim=-1)
+        lprobs[:, pad_id] = -math.inf
+        step = torch.tensor([s.step for s in sentences for _ in range(width)], device=lprobs.device)
+        max_len = torch.tensor([s.max_len for s in sentences for _ in range(width)], device=lprobs.device)
+        min_len = torch.tensor([s.settings.min_len for s in sentences for _ in range(width)], device=lprobs.device)
+        out_of_room = step + 1 >= max_len
+        early = step < min_len
+        if sentences[0].beam:
+            lprobs[:, eos] = torch.where(early & ~out_of_room, -math.inf, lprobs[:, eos])
+            if bool(out_of_room.any()):
+                keep = torch.zeros(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
+                keep[eos] = True
+                lprobs[out_of_room] = torch.where(keep, lprobs[out_of_room], -math.inf)
+        else:
+            lprobs[:, eos] = torch.where(early, -math.inf, lprobs[:, eos])
+        return lprobs
+
+    def greedy_step(self, sentences: list[Sentence], lprobs: torch.Tensor, width: int) -> None:
+        """decoding/search.py's `generate` with `argmax`, one step."""
+        eos = self.tokenizer.eos_id
+        step = torch.tensor([s.step for s in sentences], device=lprobs.device)
+        max_len = torch.tensor([s.max_len for s in sentences], device=lprobs.device)
+        token = torch.where(step + 1 >= max_len, eos, argmax(lprobs))
+        gained = lprobs.gather(1, token[:, None]).squeeze(1)
+        for sentence, t, lp in zip(sentences, token.tolist(), gained.tolist()):
+            row = sentence.rows[0]
+            row.score = float(np.float32(row.score) + np.float32(lp))  # summed in fp32, as generate does
+            row.tokens.append(t)
+            if t == eos:
+                log_prob = row.score
+                self.end(sentence, [Hypothesis(strip_special(row.tokens, eos), log_prob, log_prob)])
+
+    def beam_step(self, sentences: list[Sentence], lprobs: torch.Tensor, width: int) -> None:
+        """decoding/beam.py's `beam_search`, one step for sentences that each have `width` rows."""
+        eos, k = self.tokenizer.eos_id, sentences[0].settings.beam_size
+        scores = torch.tensor([[row.score for row in s.rows] for s in sentences], device=lprobs.device)
+        vocab = lprobs.size(-1)
+        top, index = best_extensions(scores, lprobs, 2 * k)
+        beam, token = index // vocab, index % vocab
+        ends = (token == eos) & top.isfinite()
+        keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
+        kept, parent, next_token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
+        order = stay_in_place(parent)
+        kept, parent, next_token = kept.gather(1, order), parent.gather(1, order), next_token.gather(1, order)
+        host = [t.tolist() for t in (top[:, :k], beam[:, :k], ends[:, :k], kept, parent, next_token)]
+        for i, sentence in enumerate(sentences):
+            s_top, s_beam, s_ends, s_kept, s_parent, s_token = (h[i] for h in host)
+            penalty = length_penalty(sentence.step + 1, sentence.settings.length_penalty)
+            for rank in range(k):
+                if s_ends[rank]:
+                    tokens = list(sentence.rows[s_beam[rank]].tokens)
+                    sentence.finished.append(Hypothesis(tokens, s_top[rank] / penalty, s_top[rank]))
+            if self.beam_done(sentence, s_kept):
+                n_best = sorted(sentence.finished, key=lambda h: -h.score)[: sentence.settings.n_best]
+                self.end(sentence, n_best)
+                continue
+            parents = sentence.rows
+            sentence.rows = [
+                Row(self.pool.share(parents[p].table), parents[p].tokens + [t], score)
+                for p, t, score in zip(s_parent, s_token, s_kept)
+            ]
+            for row in parents:
+                self.pool.release(row.table)
+
+    def beam_done(self, sentence: Sentence, live_scores: list[float]) -> bool:
+        """decoding/beam.py's `search_done` for one sentence."""
+        k, alpha = sentence.settings.beam_size, sentence.settings.length_penalty
+        if sentence.step + 1 >= sentence.max_len:
+            return True
+        if len(sentence.finished) < k:
+            return False
+        kth_best = sorted(h.score for h in sentence.finished)[-k]
+        return max(live_scores) / length_penalty(sentence.max_len, alpha) <= kth_best
+
+
+def unsupported_settings(decode: DecodeConfig) -> str | None:
+    """None when continuous batching can decode with these settings; otherwise why not."""
+    if decode.strategy not in ("beam", "greedy"):
+        return f"decode.strategy={decode.strategy}: continuous batching runs greedy and beam search"
+    if decode.mbr != "none":
+        return f"decode.mbr={decode.mbr} reranks whole n-best lists"
+    return None
