@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, ServeConfig, __doc__, "serve")
         sock = listen(cfg.host, cfg.port)
         translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
-    app = create_app(translator, cfg.limits)
+        app = create_app(translator, cfg.limits)
     host, port = sock.getsockname()[:2]
     where = f"{translator.device}, decode.precision={cfg.decode.precision}, scheduler={app.state.service.scheduler}"
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)

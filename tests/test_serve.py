@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import re
 import socket
 import threading
@@ -105,6 +106,49 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, re
         if running is request_server:
             new_batches = metric(running, "serve_batch_sentences_count") - batches
             assert 2 <= new_batches < len(bodies)
+
+
+async def translate_at_random_moments(url: str, bodies: list[dict], seed: int = 0) -> list[httpx.Response]:
+    rng = random.Random(seed)
+    delays = [rng.uniform(0, 0.6) for _ in bodies]
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+
+        async def send(body: dict, delay: float) -> httpx.Response:
+            await asyncio.sleep(delay)
+            return await client.post("/v1/translate", json=body)
+
+        return await asyncio.gather(*(send(body, delay) for body, delay in zip(bodies, delays)))
+
+
+@pytest.mark.e2e
+def test_continuous_batching_answers_as_translate_py_with_a_full_pool_and_a_client_gone(model_path):
+    """Requests at random moments, at two beam sizes, into a pool that holds a few sentences at a
+    time (the others wait for blocks): every answer is translate.py's. A client that gives up
+    mid-decoding costs nothing: the server goes on serving, and every block returns to the pool."""
+    texts = corpus_lines("de", 16, "val")
+    expected = {}
+    for k in (2, 4):
+        done = translate_py(f"checkpoint={model_path}", *QUICK, f"decode.beam_size={k}", stdin="".join(t + "\n" for t in texts))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        expected[k] = done.stdout.splitlines()
+    small_pool = ["limits.pool_mib=0.25", "limits.block_size=16", "limits.max_beam_size=4"]
+    with Server(f"checkpoint={model_path}", *QUICK, *small_pool) as server:
+        pool = httpx.get(server.url + "/health").json()["pool"]
+        assert pool["blocks"] == 32  # 8 KiB blocks; a short sentence at beam 4 takes 5, the longest 28
+        bodies = [{"text": [t], "beam_size": k} for t in texts for k in (2, 4)]
+        bodies += [{"text": texts[i : i + 3], "beam_size": 4} for i in range(0, 16, 3)]
+        responses = asyncio.run(translate_at_random_moments(server.url, bodies))
+        assert [r.status_code for r in responses] == [200] * len(bodies), [r.text for r in responses if r.status_code != 200]  # fmt: skip
+        answers = [r.json()["translations"] for r in responses]
+        assert answers[: 2 * len(texts)] == [[expected[k][i]] for i in range(len(texts)) for k in (2, 4)]
+        assert answers[2 * len(texts) :] == [expected[4][i : i + 3] for i in range(0, 16, 3)]
+
+        with pytest.raises(httpx.TimeoutException):  # gives up long before 16 sentences are decoded
+            httpx.post(server.url + "/v1/translate", json={"text": texts}, timeout=0.05)
+        assert post(server, {"text": texts[:2], "beam_size": 4}).json()["translations"] == expected[4][:2]
+        assert wait_for(lambda: httpx.get(server.url + "/health").json()["pool"]["free"] == pool["blocks"])
+        health = httpx.get(server.url + "/health").json()
+    assert health["pool"]["promised"] == 0 and health["scheduler"] == "continuous"
 
 
 BAD = [  # (what is sent, status, what the error names)
@@ -263,7 +307,12 @@ def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_pat
     # The oldest request waits up to max_wait_ms in the queue for others: long here, so that it is
     # still there when the next request arrives and when SIGTERM comes.
     slow = Server(
-        f"checkpoint={model_path}", *QUICK, "limits.scheduler=request", "limits.max_queue=1", "limits.max_wait_ms=3000", "drain_seconds=8"
+        f"checkpoint={model_path}",
+        *QUICK,
+        "limits.scheduler=request",
+        "limits.max_queue=1",
+        "limits.max_wait_ms=3000",
+        "drain_seconds=8",
     ).wait()
     try:
         first, result = send_in_thread(slow.url, {"text": sentences[0]})
@@ -293,7 +342,7 @@ def free_port_in_use() -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("case", ["missing checkpoint", "port in use", "bad limit", "bad port"])
+@pytest.mark.parametrize("case", ["missing checkpoint", "port in use", "bad limit", "bad port", "small pool", "bad scheduler"])
 def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsys):
     busy = free_port_in_use()
     args, needle = {
@@ -301,6 +350,8 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
         "port in use": ([f"checkpoint={model_path}", f"port={busy.getsockname()[1]}"], f"port={busy.getsockname()[1]}"),
         "bad limit": ([f"checkpoint={model_path}", "limits.max_lines=0"], "limits.max_lines=0 must be >= 1"),
         "bad port": ([f"checkpoint={model_path}", "port=70000"], "port=70000 is not in 0..65535"),
+        "small pool": ([f"checkpoint={model_path}", "limits.pool_mib=0.01"], "raise limits.pool_mib to"),
+        "bad scheduler": ([f"checkpoint={model_path}", "limits.scheduler=fifo"], "limits.scheduler='fifo' is not one of"),
     }[case]
     with busy:
         status = run_entry("serve.py", args)

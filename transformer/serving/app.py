@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from ..errors import ConfigError
 from ..fast.paged import PagedDecoder
 from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
@@ -156,6 +158,7 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
         if reason is None:
             engine = Engine(translator.model, translator.tokenizer, translator.decode, translator.device, int(limits.pool_mib * 2**20), limits.block_size)  # fmt: skip
             pool = engine.pool
+            check_pool(engine, translator.max_source_tokens + 1, limits)
             log.info(
                 "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",
                 pool.n_blocks, pool.block_size, (pool.keys.nbytes + pool.values.nbytes) / 2**20,
@@ -165,6 +168,19 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
         log.warning("limits.scheduler=continuous cannot run here (%s): serving with scheduler=request", reason)
     batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, metrics.batch)  # fmt: skip
     return "request", batcher
+
+
+def check_pool(engine: Engine, source_tokens: int, limits: ServeLimits) -> None:
+    """The pool must hold the longest sentence a request may send at the largest beam it may ask
+    for, so that a request never fails for want of blocks (it waits for them)."""
+    need, pool = engine.most_needed(source_tokens, limits.max_beam_size), engine.pool
+    if need > pool.n_blocks:
+        mib = need * (pool.keys.nbytes + pool.values.nbytes) / pool.n_blocks / 2**20
+        raise ConfigError(
+            f"limits.pool_mib={limits.pool_mib:g} holds {pool.n_blocks} blocks of {pool.block_size} positions, but one "
+            f"sentence of {source_tokens} tokens at limits.max_beam_size={limits.max_beam_size} can need {need}: "
+            f"raise limits.pool_mib to {math.ceil(mib * 10) / 10:g} or more"
+        )
 
 
 def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:

@@ -16,6 +16,7 @@ wait and never fails a running one. `Engine.step` is not thread-safe: one thread
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -74,7 +75,7 @@ class Engine:
         reason = PagedDecoder.supports(model) or unsupported_settings(decode)
         if reason:
             raise ValueError(reason)
-        self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
+        self.model, self.tokenizer, self.device, self.settings = model, tokenizer, torch.device(device), decode
         self.amp = None if decode.precision == "int8" else autocast_dtype(decode.precision, self.device)
         layers, kv_heads, head_size = PagedDecoder.pool_shape(model)
         dtype = next(model.parameters()).dtype
@@ -90,6 +91,15 @@ class Engine:
     def need(self, sentence: Sentence) -> int:
         """Blocks a sentence may take at most: its encoder keys and values, and every row at its longest."""
         return self.pool.blocks_for(len(sentence.ids)) + sentence.width * self.pool.blocks_for(sentence.max_len)
+
+    def most_needed(self, source_tokens: int, beam_size: int) -> int:
+        """Blocks one sentence of `source_tokens` tokens (EOS included) can need at `beam_size`."""
+        probe = Sentence([self.model.cfg.pad_id + 1] * source_tokens, self.decode_at(beam_size), lambda n_best: None)
+        probe.max_len = int(max_lengths(torch.ones(1, 1, 1, source_tokens, dtype=torch.bool), probe.settings, self.limit)[0])  # fmt: skip
+        return self.need(probe)
+
+    def decode_at(self, beam_size: int) -> DecodeConfig:
+        return dataclasses.replace(self.settings, beam_size=beam_size, n_best=1)
 
     def add(self, sentence: Sentence) -> None:
         """Queue a sentence; ValueError when it could not fit in the pool even alone."""

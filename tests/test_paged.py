@@ -1,0 +1,170 @@
+"""The paged key/value cache (fast/paged.py) and the continuous-batching engine on it
+(serving/engine.py): block tables, forks and copy-on-write; a step over sequences at different
+positions gives the reference model's own incremental logits; sentences that join and leave a
+running batch get translate_ids' translations, greedy and beam, for the model variants the
+engine runs; a full pool makes sentences wait; a cancelled sentence gives its blocks back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transformer.decoding import DecodeConfig
+from transformer.fast import accelerate
+from transformer.fast.paged import BlockPool, PagedDecoder
+from transformer.model import padding_mask
+from transformer.runtime import RuntimeConfig
+from transformer.serving.engine import Engine, Sentence
+from transformer.translator import Translator
+
+from .briefly_trained import multi30k_corpus, trained_model
+from .conftest import make_model, random_tokens
+
+VARIANTS = [{}, {"positional": "rope", "norm_first": True}, {"positional": "learned", "n_kv_heads": 2}]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return multi30k_corpus()
+
+
+def test_blocks_are_shared_by_forks_and_copied_on_write():
+    pool = BlockPool(6, 2, layers=1, kv_heads=1, head_size=1, dtype=torch.float32, device="cpu")
+    parent: list[int] = []
+    for position in range(3):  # two blocks: [0, 1] full, [2] half
+        slot, _ = pool.writable(parent, position)
+        pool.keys[0, slot] = position + 1.0
+    child = pool.share(parent)
+    assert pool.refs[parent[0]] == pool.refs[parent[1]] == 2
+    slot, taken = pool.writable(child, 3)  # the shared half-full block is copied before the write
+    assert taken and child[1] != parent[1] and child[0] == parent[0]
+    pool.keys[0, slot] = 40.0
+    assert pool.keys[0, pool.slots([child], 4)[0], 0, 0].tolist() == [1.0, 2.0, 3.0, 40.0]
+    assert pool.keys[0, pool.slots([parent], 3)[0], 0, 0].tolist() == [1.0, 2.0, 3.0]
+    pool.release(parent)
+    pool.release(child)
+    assert sorted(pool.free) == list(range(6))
+    assert pool.reserve(6) and not pool.reserve(1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["paper", "rope-prenorm", "learned-gqa"])
+@pytest.mark.parametrize("runtime", ["reference", "fast"])
+def test_a_step_over_rows_at_different_positions_gives_the_reference_logits(variant, runtime):
+    """Two sentences decoded by the reference incrementally, one of them starting two steps later
+    with two forked beams: every paged step gives each row the reference's logits."""
+    torch.manual_seed(0)
+    model = make_model(runtime, **variant)
+    reference = make_model("reference", **variant)
+    reference.load_state_dict(model.state_dict())
+    src = random_tokens(2, 7)
+    src[1, 5:] = model.cfg.pad_id
+    targets = random_tokens(2, 6)
+    src_mask = padding_mask(src, model.cfg.pad_id)
+    with torch.no_grad():
+        expected = reference.decode(targets, reference.encode(src, src_mask)[0], src_mask)[0]  # (2, 6, vocab)
+        memory = model.encode(src, src_mask)[0]
+    lengths = [7, 5]
+    pool = BlockPool(32, 2, *PagedDecoder.pool_shape(model), torch.float32, "cpu")
+    decoder = PagedDecoder(model, pool)
+    cross = [[pool.allocate() for _ in range(pool.blocks_for(n))] for n in lengths]
+    decoder.store_memory(memory, lengths, cross)
+    rows = [([], 0, 0)]  # (table, sentence, position)
+    for step in range(6):
+        if step == 2:  # the second sentence joins, as two beams that will share its first block
+            rows.append(([], 1, 0))
+        if step == 3:
+            rows.append((pool.share(rows[1][0]), 1, rows[1][2]))
+        slots = [pool.writable(table, pos)[0] for table, _, pos in rows]
+        longest = max(pos for _, _, pos in rows) + 1
+        width = 1 + (len(rows) == 3)
+        fold = [0] + ([width, width + 1][: len(rows) - 1])
+        as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+        logits = decoder.step(
+            tokens=as_long([targets[s, pos] for _, s, pos in rows]),
+            positions=as_long([pos for _, _, pos in rows]),
+            write_slots=as_long(slots),
+            self_slots=pool.slots([t for t, _, _ in rows], longest),
+            self_lengths=as_long([pos + 1 for _, _, pos in rows]),
+            cross_slots=pool.slots(cross, 7),
+            cross_lengths=as_long(lengths),
+            fold=as_long(fold),
+            width=width,
+        )
+        for row, (_, s, pos) in enumerate(rows):
+            torch.testing.assert_close(logits[row], expected[s, pos], rtol=1e-4, atol=1e-4)
+        rows = [(t, s, pos + 1) for t, s, pos in rows]
+
+
+def run_engine(engine: Engine, sources, settings, join_every: int = 2) -> list:
+    """The sentences join a running batch two at a time, one step apart."""
+    out = [None] * len(sources)
+    pending = list(enumerate(sources))
+    steps = 0
+    while pending or engine.busy:
+        if pending and steps % join_every == 0:
+            for i, ids in pending[:2]:
+                engine.add(Sentence(ids + [engine.tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
+            pending = pending[2:]
+        engine.step(max_new_tokens=4096)
+        steps += 1
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["paper", "rope-prenorm", "learned-gqa"])
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_sentences_joining_a_running_batch_get_translate_ids_translations(corpus, variant, strategy):
+    model, tokenizer = trained_model(corpus, variant, steps=60)
+    accelerate(model, RuntimeConfig())
+    settings = DecodeConfig(strategy=strategy, beam_size=4, n_best=2 if strategy == "beam" else 1)
+    translator = Translator(model, tokenizer, "cpu", settings)
+    sources = translator.encode(corpus[0][:10])
+    expected = translator.translate_ids(sources, settings)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4)
+    got = run_engine(engine, sources, settings)
+    assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in expected]
+    for hyps, ref in zip(got, expected):
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks)) and engine.pool.promised == 0
+
+
+def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
+    model, tokenizer = trained_model(corpus, {}, steps=60)
+    settings = DecodeConfig(strategy="beam", beam_size=4)
+    translator = Translator(model, tokenizer, "cpu", settings)
+    sources = translator.encode(corpus[0][:8])
+    expected = translator.translate_ids(sources, settings)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1, block_size=4)  # at least one block: grown below
+    longest = max(sources, key=len)
+    probe = Sentence(longest + [tokenizer.eos_id], settings, lambda nb: None)
+    with pytest.raises(ValueError, match="raise limits.pool_mib"):
+        engine.add(probe)  # one block can never hold it
+    per_block = engine.pool.keys[:, :4].nbytes * 2
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=engine.need(probe) * per_block, block_size=4)
+    most, out = 0, [None] * len(sources)
+    for i, ids in enumerate(sources):
+        engine.add(Sentence(ids + [tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
+    while engine.busy:
+        engine.step(max_new_tokens=4096)
+        most = max(most, len(engine.running))
+        assert engine.pool.promised <= engine.pool.n_blocks
+    assert most < len(sources)  # they took turns
+    assert [h[0].tokens for h in out] == [h[0].tokens for h in expected]
+
+
+def test_a_cancelled_sentence_leaves_and_gives_its_blocks_back(corpus):
+    model, tokenizer = trained_model(corpus, {}, steps=60)
+    settings = DecodeConfig(strategy="beam", beam_size=3)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4)
+    gone, answered = False, []
+    ids = Translator(model, tokenizer, "cpu", settings).encode(corpus[0][:2])
+    engine.add(Sentence(ids[0] + [tokenizer.eos_id], settings, answered.append, cancelled=lambda: gone))
+    engine.add(Sentence(ids[1] + [tokenizer.eos_id], settings, answered.append))
+    engine.step(4096)
+    engine.step(4096)
+    assert len(engine.running) == 2
+    gone = True
+    engine.step(4096)
+    assert len(engine.running) == 1
+    while engine.busy:
+        engine.step(4096)
+    assert len(answered) == 1 and sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
