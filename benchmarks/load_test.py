@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import sys
 import time
@@ -118,6 +119,7 @@ def summary(cfg: LoadTestConfig, tally: Tally, elapsed: float, sentences: float,
 
 def main(argv: list[str]) -> None:
     setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request costs the server CPU time
     with exit_on_user_error():
         cfg = parse_args(argv, LoadTestConfig, __doc__)
         output = None if cfg.output is None else check_output(cfg.output, [cfg.input])
