@@ -5,7 +5,10 @@ share of identical outputs, sacreBLEU of each, and decoding time, on one test sp
 
 For greedy search and beam search (beam_size), it decodes the first `sentences` sentences of
 `split` with: ours in fp32 (the reference for the shares), ours with decode.precision=int8, and
-the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8). Beam
+the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8); with
+reference=true also ours under runtime=reference (the model as written, which ours fp32 must
+equal), and "ours fp32 paged", the continuous-batching engine of serve.py (every sentence
+joining at the first step, on the paged cache). isa=avx2 limits every library to AVX2. Beam
 search runs at each of length_penalties, passed to both as their length_penalty: our GNMT
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
 the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds` times, the four
@@ -30,11 +33,14 @@ from common import hardware, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
+from transformer.devices import limit_isa
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
 from transformer.interop.export import export, require_ctranslate2
 from transformer.interop.export import translate_ids as ctranslate2_ids
+from transformer.runtime import RuntimeConfig
+from transformer.serving.engine import Engine, Sentence
 from transformer.translator import Translator
 
 
@@ -48,6 +54,8 @@ class CompareConfig:
     length_penalties: list[float] = field(default_factory=lambda: [0.0, 0.6])  # beam search at each
     threads: int = 0
     rounds: int = 1
+    reference: bool = True  # also decode with runtime=reference (the model as written): ours fp32 must equal it
+    isa: Optional[str] = None  # e.g. avx2: every library limited to that instruction set (transformer/devices.py)
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -72,7 +80,24 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
         translator = ct2.Translator(str(directory), device="cpu", compute_type=compute_type, intra_threads=threads)
         return lambda src, dc: ctranslate2_ids(translator, tokenizer, src, dc, limit)
 
-    runs = {"ours fp32": ours(fp32, "fp32"), "ours int8": ours(int8, "int8")}
+    def engine(translator):
+        def run(src, dc):
+            settings = dataclasses.replace(dc, n_best=1)
+            continuous = Engine(translator.model, tokenizer, settings, "cpu", 256 << 20)
+            out = [None] * len(src)
+            for i, ids in enumerate(src):
+                continuous.add(Sentence(ids + [tokenizer.eos_id], settings, lambda n_best, i=i: out.__setitem__(i, n_best[0].tokens)))  # fmt: skip
+            while continuous.busy:
+                continuous.step(dc.max_tokens)
+            return out
+
+        return run
+
+    runs = {"ours fp32": ours(fp32, "fp32")}
+    if cfg.reference:
+        reference = Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(), RuntimeConfig(fast=False))
+        runs["ours fp32 reference"] = ours(reference, "fp32")
+    runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8, "int8")}
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     return runs, tokenizer, limit
 
@@ -98,6 +123,7 @@ def compare(runs: dict, sources, refs, tokenizer, dc: DecodeConfig, rounds: int)
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, CompareConfig, __doc__)
+        limit_isa(cfg.isa, __file__, argv)
         if cfg.output:
             check_output(cfg.output, [cfg.checkpoint])
         if cfg.threads:

@@ -121,13 +121,19 @@ class BlockPool:
         within = torch.arange(self.block_size)
         return (padded[:, :, None] * self.block_size + within).flatten(1)[:, :length].to(self.keys.device)
 
-    def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values at `slots` (sequences, length) -> each (sequences, kv_heads, length, head_size)."""
-        n, length = slots.shape
-        flat = slots.flatten()
-        k = self.keys[layer].index_select(0, flat).view(n, length, *self.keys.shape[2:])
-        v = self.values[layer].index_select(0, flat).view(n, length, *self.values.shape[2:])
-        return k.transpose(1, 2), v.transpose(1, 2)
+    def head_major(self, slots: Tensor) -> Tensor:
+        """slots (sequences, length) -> the rows of a layer's keys viewed as (slots * kv_heads,
+        head_size) that `gather` reads, in (sequence, head, position) order: what it gathers is
+        then laid out as attention's batched products read it, with no copy in between."""
+        heads = self.keys.size(2)
+        return (slots[:, None, :] * heads + torch.arange(heads, device=slots.device)[None, :, None]).flatten()
+
+    def gather(self, layer: int, index: Tensor, sequences: int) -> tuple[Tensor, Tensor]:
+        """Keys and values at a `head_major` index -> each (sequences, kv_heads, length, head_size), contiguous."""
+        heads, size = self.keys.shape[2:]
+        k = self.keys[layer].view(-1, size).index_select(0, index).view(sequences, heads, -1, size)
+        v = self.values[layer].view(-1, size).index_select(0, index).view(sequences, heads, -1, size)
+        return k, v
 
 
 class PagedDecoder:
@@ -193,6 +199,7 @@ class PagedDecoder:
         x = add_positions(model.positions, x, positions)
         self_mask = (torch.arange(self_slots.size(1), device=x.device) < self_lengths[:, None])[:, None, None, :]
         cross_mask = (torch.arange(cross_slots.size(1), device=x.device) < cross_lengths[:, None])[:, None, None, :]
+        self_index, cross_index = pool.head_major(self_slots), pool.head_major(cross_slots)
         for i, layer in enumerate(model.decoder_layers):
             attn = layer.self_attn
             h = layer.self_attn_norm.before(x)
@@ -203,7 +210,7 @@ class PagedDecoder:
                 q, k = rotate(attn.rotary, q, positions), rotate(attn.rotary, k, positions)
             pool.keys[i].index_copy_(0, write_slots, k[:, :, 0].to(pool.keys.dtype))
             pool.values[i].index_copy_(0, write_slots, v[:, :, 0].to(pool.values.dtype))
-            keys, values = pool.gather(i, self_slots)
+            keys, values = pool.gather(i, self_index, tokens.size(0))
             out = self.attend(q, keys, values, self_mask)
             x = layer.self_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))
 
@@ -212,7 +219,7 @@ class PagedDecoder:
             q = attn.split_heads(attn.w_q(h), attn.n_heads)[:, :, 0]  # (rows, heads, head_size)
             grid = q.new_zeros(sentences * width, *q.shape[1:]).index_copy_(0, fold, q)
             grid = grid.view(sentences, width, *q.shape[1:]).transpose(1, 2)  # (sentences, heads, width, head_size)
-            keys, values = pool.gather(i, cross_slots)
+            keys, values = pool.gather(i, cross_index, sentences)
             out = self.attend(grid, keys, values, cross_mask)
             out = out.transpose(1, 2).flatten(0, 1).index_select(0, fold)[:, :, None]  # (rows, heads, 1, head_size)
             x = layer.cross_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))

@@ -33,6 +33,9 @@ from ..devices import autocast_dtype
 from ..fast.paged import BlockPool, PagedDecoder
 from ..model import padding_mask
 
+JOIN_STEPS = 3  # the most steps a waiting sentence waits for others to join with it, while a batch runs
+JOIN_TOKENS = 256  # or until the waiting sentences hold this many source tokens
+
 
 @dataclass
 class Row:
@@ -52,6 +55,7 @@ class Sentence:
     done: Callable[[list[Hypothesis]], None]  # called with its n-best list when it ends
     cancelled: Callable[[], bool] = lambda: False
     request: object = None  # the caller's, for its own bookkeeping
+    arrived: int = 0  # the engine's step count when it was added
     max_len: int = 0
     cross: list[int] = field(default_factory=list)  # the blocks of its encoder keys and values
     reserved: int = 0  # blocks the pool promised it: the most it holds at once
@@ -110,6 +114,7 @@ class Engine:
                 f"a sentence of {len(sentence.ids)} tokens needs {self.need(sentence)} blocks at beam size "
                 f"{sentence.width}; the pool has {self.pool.n_blocks} (raise limits.pool_mib)"
             )
+        sentence.arrived = self.steps
         self.waiting.append(sentence)
 
     @property
@@ -121,7 +126,8 @@ class Engine:
         one decoding step over the whole batch. Returns the number of sentences it ran."""
         self.drop_cancelled()
         with torch.no_grad(), torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            self.admit(max_new_tokens)
+            if self.joining_pays():
+                self.admit(max_new_tokens)
             if not self.running:
                 return 0
             logits = self.decode()
@@ -130,6 +136,16 @@ class Engine:
         return len(self.running)
 
     # --- Joining and leaving -------------------------------------------------------------------
+
+    def joining_pays(self) -> bool:
+        """Whether the waiting sentences join at this step. One encoder pass over a few sentences
+        uses the CPU poorly, so while a batch runs they gather for up to JOIN_STEPS steps (or
+        until they hold JOIN_TOKENS source tokens); an idle engine takes them at once."""
+        if not self.waiting:
+            return False
+        if not self.running or self.steps - self.waiting[0].arrived >= JOIN_STEPS:
+            return True
+        return sum(len(s.ids) for s in self.waiting) >= JOIN_TOKENS
 
     def admit(self, max_new_tokens: int) -> None:
         joining, tokens = [], 0
