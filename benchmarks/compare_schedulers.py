@@ -5,7 +5,7 @@ load_test.py's throughput and latency, the errors, and the server's peak residen
         input=data/multi30k/test_2016_flickr.de.gz clients=[1,8,32,64] seconds=30 output=schedulers.json
 
 Arguments (key=value): checkpoint, input (sentences, one per line), clients, seconds,
-schedulers=[request,continuous], serve=[...] (more serve.py arguments, e.g. limits.pool_mib=64),
+schedulers=[request,continuous], serve=['KEY=VALUE',...] (more serve.py arguments, each quoted),
 output. Prints one table row per scheduler and client count, and the ratios continuous / request.
 """
 

@@ -244,7 +244,7 @@ def test_hub_splits_are_loaded_once_for_all_source_languages(monkeypatch):
         loads.append(split)
         return datasets.Dataset.from_dict({"translation": rows})
 
-    monkeypatch.setattr("transformer.data.datasets.load_dataset", load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)  # data.py imports datasets when it loads a split
     cfg = DataConfig(hub_name="x/y", src_lang="en", tgt_lang="de", extra_src_langs=["fr"])
     train = load_split(cfg, "train")
     assert loads == ["train"]
@@ -252,6 +252,6 @@ def test_hub_splits_are_loaded_once_for_all_source_languages(monkeypatch):
     assert train["src_lang"][:] == ["en", "en", "fr", "fr"]
     assert load_split(cfg, "val")["src"][:] == ["A dog.", "Two."]
 
-    monkeypatch.setattr("transformer.data.datasets.load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"en": ["a"], "de": ["b"]}))  # fmt: skip
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"en": ["a"], "de": ["b"]}))  # fmt: skip
     with pytest.raises(DataError, match=r"unknown language code 'fr' for x/y"):
         load_split(cfg, "train")

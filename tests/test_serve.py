@@ -342,7 +342,9 @@ def free_port_in_use() -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("case", ["missing checkpoint", "port in use", "bad limit", "bad port", "small pool", "bad scheduler"])
+@pytest.mark.parametrize(
+    "case", ["missing checkpoint", "port in use", "bad limit", "bad port", "small pool", "bad scheduler"]
+)
 def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsys):
     busy = free_port_in_use()
     args, needle = {
@@ -351,7 +353,10 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
         "bad limit": ([f"checkpoint={model_path}", "limits.max_lines=0"], "limits.max_lines=0 must be >= 1"),
         "bad port": ([f"checkpoint={model_path}", "port=70000"], "port=70000 is not in 0..65535"),
         "small pool": ([f"checkpoint={model_path}", "limits.pool_mib=0.01"], "raise limits.pool_mib to"),
-        "bad scheduler": ([f"checkpoint={model_path}", "limits.scheduler=fifo"], "limits.scheduler='fifo' is not one of"),
+        "bad scheduler": (
+            [f"checkpoint={model_path}", "limits.scheduler=fifo"],
+            "limits.scheduler='fifo' is not one of",
+        ),
     }[case]
     with busy:
         status = run_entry("serve.py", args)
@@ -371,6 +376,17 @@ def test_load_test_reports_throughput_latency_and_the_servers_batch_size(server,
     latency = results["latency_ms"]
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
     assert "sentences/s" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_compare_schedulers_runs_both_and_reports_their_ratios(model_path, sentences, tmp_path, capsys):
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
+    args = [f"checkpoint={model_path}", f"input={tmp_path / 'in.de'}", "clients=[2]", "seconds=1", "serve=[" + ",".join(f"'{q}'" for q in QUICK) + "]", f"output={tmp_path / 'out.json'}"]  # fmt: skip
+    assert run_entry("benchmarks/compare_schedulers.py", args) == 0
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [(r["scheduler"], r["clients"]) for r in rows] == [("request", 2), ("continuous", 2)]
+    assert all(r["errors"] == 0 and r["throughput_sentences_per_s"] > 0 and r["peak_rss_mib"] > 0 for r in rows)
+    assert "continuous / request at 2 clients: throughput" in capsys.readouterr().out
 
 
 @pytest.mark.e2e
