@@ -26,6 +26,7 @@ import logging
 import math
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformer.cli import parse_args, setup_logging
@@ -70,13 +71,26 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def prepare(cfg: ServeConfig):
+    translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
+    return translator, create_app(translator, cfg.limits)
+
+
+def off_the_main_thread(fn, *args):
+    """fn(*args) in a thread that ends with it. The model loads (and the key/value pool fills) there,
+    so that the main thread, which lives as long as the server, never runs torch's parallel loops:
+    the decoding thread then keeps the only pool of OpenMP threads (transformer/serving/batcher.py:
+    run_calls says why that matters)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader") as loader:
+        return loader.submit(fn, *args).result()
+
+
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
         cfg = parse_args(argv, ServeConfig, __doc__, "serve")
         sock = listen(cfg.host, cfg.port)
-        translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
-        app = create_app(translator, cfg.limits)
+        translator, app = off_the_main_thread(prepare, cfg)
     host, port = sock.getsockname()[:2]
     where = f"{translator.device}, decode.precision={cfg.decode.precision}, scheduler={app.state.service.scheduler}"
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)

@@ -68,7 +68,7 @@ class Service:
     async def check_model(self) -> None:
         """Decode one sentence off the event loop, as requests are; the server is ready once it has."""
         try:
-            await asyncio.to_thread(self.translator.check)
+            await self.batcher.call(self.translator.check)
         except Exception as e:
             self.model_error = f"{type(e).__name__}: {e}"
             log.error("the model cannot decode; /health answers 503: %s", self.model_error, exc_info=e)
@@ -102,7 +102,7 @@ class Service:
             answer = await self.decode(TranslateRequest([req.text]))
             translation = self.translator.texts(answer.n_best[0])[0]
         try:
-            result = await asyncio.to_thread(self.translator.cross_attention, req.text, translation, req.layer)
+            result = await self.batcher.call(self.translator.cross_attention, req.text, translation, req.layer)
         except ValueError as e:
             raise RequestError(422, "out_of_range", str(e)) from None
         return JSONResponse({"source": req.text, "translation": translation, **result})

@@ -60,6 +60,7 @@ class Batcher:
         self.decode, self.max_batch_tokens, self.max_wait_s, self.max_queue = decode, max_batch_tokens, max_wait_s, max_queue  # fmt: skip
         self.on_batch = on_batch or (lambda sentences: None)
         self.pending: deque[Job] = deque()
+        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()  # other torch work for this thread
         self.changed = threading.Condition()
         self.closing = False
         self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
@@ -90,15 +91,26 @@ class Batcher:
             self.changed.notify()
         return await job.future
 
+    async def call(self, fn: Callable, *args):
+        """fn(*args) on the decoding thread, between batches (see `torch_calls`)."""
+        future = asyncio.get_running_loop().create_future()
+        with self.changed:
+            self.calls.append((lambda: fn(*args), future))
+            self.changed.notify()
+        return await future
+
     def run(self) -> None:
         while True:
             with self.changed:
-                while not self.pending and not self.closing:
+                while not self.pending and not self.calls and not self.closing:
                     self.changed.wait()
-                if not self.pending:
+                if not self.pending and not self.calls:
                     return
-                jobs = self.next_batch()
-            self.answer(jobs)
+                calls = take_calls(self.calls)
+                jobs = self.next_batch() if self.pending else []
+            run_calls(calls)
+            if jobs:
+                self.answer(jobs)
 
     def next_batch(self) -> list[Job]:
         """The oldest job and those queued with its settings, once their tokens fill a batch or the
@@ -137,6 +149,24 @@ class Batcher:
             mine, n_best = n_best[: len(job.sources)], n_best[len(job.sources) :]
             queue_ms = (started - job.queued_at) * 1000
             resolve(job.future, Answer(mine, queue_ms, decode_ms, sentences, len(jobs)))
+
+
+def take_calls(calls: deque) -> list:
+    taken = list(calls)
+    calls.clear()
+    return taken
+
+
+def run_calls(calls: list) -> None:
+    """Run the queued calls, each answering its future. Every call that runs torch goes through the
+    decoding thread: with GNU OpenMP, a second living thread that has run torch's parallel loops
+    keeps a second pool of OpenMP threads, and once they outnumber the cores libgomp stops spinning
+    between loops, which made a decoding step up to twice as slow (docs/PERFORMANCE.md)."""
+    for fn, future in calls:
+        try:
+            resolve(future, fn())
+        except Exception as e:
+            resolve(future, error=e)
 
 
 def resolve(future: asyncio.Future, result=None, error: Exception | None = None) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
-from .batcher import Answer, QueueFull, resolve
+from .batcher import Answer, QueueFull, resolve, run_calls, take_calls
 from .engine import Engine, Sentence
 
 
@@ -41,6 +42,7 @@ class ContinuousBatcher:
         self.on_step: Callable[[int], None] = on_step or (lambda sentences: None)
         self.on_done: Callable[[int], None] = on_done or (lambda sentences: None)
         self.incoming: list[Request] = []
+        self.calls: deque = deque()  # other torch work for this thread (batcher.py: run_calls)
         self.changed = threading.Condition()
         self.closing = False
         self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
@@ -72,14 +74,26 @@ class ContinuousBatcher:
             self.changed.notify()
         return await request.future
 
+    async def call(self, fn: Callable, *args):
+        """fn(*args) on the decoding thread, between steps."""
+        future = asyncio.get_running_loop().create_future()
+        with self.changed:
+            self.calls.append((lambda: fn(*args), future))
+            self.changed.notify()
+        return await future
+
     def run(self) -> None:
         while True:
             with self.changed:
-                while not self.incoming and not self.engine.busy and not self.closing:
+                while not self.incoming and not self.calls and not self.engine.busy and not self.closing:
                     self.changed.wait()
-                if not self.incoming and not self.engine.busy:
+                if not self.incoming and not self.calls and not self.engine.busy:
                     return
                 incoming, self.incoming = self.incoming, []
+                calls = take_calls(self.calls)
+            run_calls(calls)
+            if not incoming and not self.engine.busy:
+                continue
             for request in incoming:
                 self.hand_over(request)
             try:
