@@ -9,8 +9,8 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
-    limits.scheduler=continuous   sentences join and leave the running batch at every decoding step, on a
-                                  paged key/value cache; =request merges whole requests into batches
+    limits.scheduler=request      whole requests are merged into decoding batches; =continuous: sentences
+                                  join and leave the running batch at every step, on a paged key/value cache
     limits.pool_mib=256  limits.block_size=16   the continuous scheduler's key/value pool (allocated at start)
     limits.max_batch_tokens=4096  source tokens that join a batch at once (request: per batch)
     limits.max_wait_ms=5          request: how long the oldest request waits for others to join its batch

@@ -102,14 +102,20 @@ def translate_py(*args: str, stdin: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=ROOT, input=stdin, capture_output=True, text=True, env=environ, timeout=300)
 
 
-def run_entry(script: str, argv: list[str]) -> int:
-    """The exit status of main(argv) of serve.py or a script (scripts/NAME.py, benchmarks/NAME.py), run in this process."""
+def load_entry(script: str):
+    """serve.py or a script (scripts/NAME.py, benchmarks/NAME.py) as a module of this process."""
     import importlib.util
 
     name = "entry_" + script.replace("/", "_").removesuffix(".py")
     spec = importlib.util.spec_from_file_location(name, ROOT / script)
     module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(module)
+    return module
+
+
+def run_entry(script: str, argv: list[str]) -> int:
+    """The exit status of main(argv) of serve.py or a script, run in this process."""
+    module = load_entry(script)
     try:
         module.main(argv)
     except SystemExit as e:

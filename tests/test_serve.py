@@ -22,9 +22,11 @@ from fastapi.testclient import TestClient
 from transformer import checkpoint
 from transformer.decoding import DecodeConfig, Hypothesis
 from transformer.serving import Batcher, ServeLimits, create_app
+from transformer.serving import app as serving_app
+from transformer.serving.metrics import Metrics
 from transformer.translator import Translator
 
-from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
+from .servers import QUICK, Server, build_checkpoint, corpus_lines, load_entry, run_entry, translate_py, wait_for
 
 LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=50"]
 
@@ -85,16 +87,16 @@ async def translate_concurrently(url: str, bodies: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def request_server(model_path):
-    with Server(f"checkpoint={model_path}", *QUICK, *LIMITS, "limits.scheduler=request") as running:
+def continuous_server(model_path):
+    with Server(f"checkpoint={model_path}", *QUICK, *LIMITS, "limits.scheduler=continuous") as running:
         yield running
 
 
 @pytest.mark.e2e
-def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, request_server, sentences):
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, continuous_server, sentences):
     """Both schedulers: continuous batching runs every request's sentences in shared steps, the
     request-level batcher merges requests with the same settings (never across two settings)."""
-    for running in (server, request_server):
+    for running in (continuous_server, server):
         alone = post(running, {"text": sentences}).json()["translations"]
         beam2 = post(running, {"text": sentences, "beam_size": 2}).json()["translations"]
         batches, translated = metric(running, "serve_batch_sentences_count"), metric(running, "serve_sentences_total")
@@ -103,7 +105,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, re
         assert [a["translations"][0] for a in answers] == alone + beam2  # in order, and settings kept apart
         assert metric(running, "serve_sentences_total") - translated == len(bodies)
         assert max(a["timing"]["batch_requests"] for a in answers) > 1
-        if running is request_server:
+        if running is server:  # the default scheduler: request-level
             new_batches = metric(running, "serve_batch_sentences_count") - batches
             assert 2 <= new_batches < len(bodies)
 
@@ -131,7 +133,12 @@ def test_continuous_batching_answers_as_translate_py_with_a_full_pool_and_a_clie
         done = translate_py(f"checkpoint={model_path}", *QUICK, f"decode.beam_size={k}", stdin="".join(t + "\n" for t in texts))  # fmt: skip
         assert done.returncode == 0, done.stderr
         expected[k] = done.stdout.splitlines()
-    small_pool = ["limits.pool_mib=0.25", "limits.block_size=16", "limits.max_beam_size=4"]
+    small_pool = [
+        "limits.scheduler=continuous",
+        "limits.pool_mib=0.25",
+        "limits.block_size=16",
+        "limits.max_beam_size=4",
+    ]
     with Server(f"checkpoint={model_path}", *QUICK, *small_pool) as server:
         pool = httpx.get(server.url + "/health").json()["pool"]
         assert pool["blocks"] == 32  # 8 KiB blocks; a short sentence at beam 4 takes 5, the longest 28
@@ -295,6 +302,29 @@ def test_a_request_that_breaks_decoding_fails_alone_and_the_batch_around_it_is_a
     assert calls[0] == 4 and sorted(calls[1:]) == [1, 1, 2]  # one merged batch, then each request alone
 
 
+def test_torch_work_other_than_decoding_runs_on_the_decoding_thread(model_path):
+    """The readiness check and alignments go through `call`, onto the one thread that decodes (two
+    living threads running torch's OpenMP loops slowed decoding down to half speed); serve.py loads
+    the model in a thread that has ended by the time it serves."""
+    translator = Translator.load(model_path, device="cpu")
+
+    async def threads(batcher) -> tuple[int, int, object]:
+        batcher.start()
+        ident = await batcher.call(threading.get_ident)
+        failed = await asyncio.gather(batcher.call(translator.cross_attention, "Ein Hund.", "A dog.", 9), return_exceptions=True)  # fmt: skip
+        batcher.close()
+        return ident, batcher.thread.ident, failed[0]
+
+    for scheduler in ("request", "continuous"):
+        _, batcher = serving_app.scheduler(translator, ServeLimits(scheduler=scheduler, pool_mib=1), Metrics())
+        ident, decoding, failed = asyncio.run(threads(batcher))
+        assert ident == decoding != threading.get_ident()
+        assert isinstance(failed, ValueError)  # an error reaches its caller
+    module = load_entry("serve.py")
+    assert module.off_the_main_thread(threading.current_thread) is not threading.current_thread()
+    assert not module.off_the_main_thread(threading.current_thread).is_alive()
+
+
 def send_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
     result: list = []
     thread = threading.Thread(target=lambda: result.append(httpx.post(url + "/v1/translate", json=body, timeout=60)))
@@ -352,7 +382,10 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
         "port in use": ([f"checkpoint={model_path}", f"port={busy.getsockname()[1]}"], f"port={busy.getsockname()[1]}"),
         "bad limit": ([f"checkpoint={model_path}", "limits.max_lines=0"], "limits.max_lines=0 must be >= 1"),
         "bad port": ([f"checkpoint={model_path}", "port=70000"], "port=70000 is not in 0..65535"),
-        "small pool": ([f"checkpoint={model_path}", "limits.pool_mib=0.01"], "raise limits.pool_mib to"),
+        "small pool": (
+            [f"checkpoint={model_path}", "limits.scheduler=continuous", "limits.pool_mib=0.01"],
+            "raise limits.pool_mib to",
+        ),
         "bad scheduler": (
             [f"checkpoint={model_path}", "limits.scheduler=fifo"],
             "limits.scheduler='fifo' is not one of",

@@ -1,5 +1,6 @@
 """The server's limits, `limits.*` in serve.py: what one request may ask, how long the queue may
-grow, how requests are merged into decoding batches (the scheduler and its key/value pool). Every value is checked when built."""
+grow, how requests are merged into decoding batches (the scheduler and its key/value pool). Every
+value is checked when built."""
 
 from __future__ import annotations
 
@@ -18,9 +19,7 @@ class ServeLimits:
     max_wait_ms: float = 5.0  # how long the oldest waiting request waits for others to join its batch
     max_beam_size: int = 8  # a request's beam_size (and so its n_best) at most this
     max_length_penalty: float = 5.0  # a request's length_penalty in [0, this]
-    scheduler: str = (
-        "continuous"  # continuous: sentences join and leave the batch at every step; request: whole requests
-    )
+    scheduler: str = "request"  # whole requests merged into batches; "continuous": sentences join every step
     pool_mib: float = 256.0  # continuous: the key/value pool, allocated at start; sentences wait when it is full
     block_size: int = 16  # continuous: positions per block of the pool
 
