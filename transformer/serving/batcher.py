@@ -2,7 +2,8 @@
 every waiting request with the same decode settings (up to max_batch_tokens source tokens, after
 waiting at most max_wait for more to arrive), decodes them as one batch off the event loop, and
 answers each request's future with its own sentences. A batch that fails is retried request by
-request, so one bad request fails alone."""
+request, so one bad request fails alone. The thread itself (`DecodingThread`: its lock, closing
+and the other torch work queued for it) is the continuous scheduler's too (continuous.py)."""
 
 from __future__ import annotations
 
@@ -53,51 +54,68 @@ class Answer:
 Decode = Callable[[list[list[int]], DecodeConfig], list[list[Hypothesis]]]
 
 
-class Batcher:
-    """The queue and its worker thread; `on_batch(sentences)` is called after each decoded batch."""
+class DecodingThread:
+    """The one thread that runs a server's torch work (why one: `run_calls`), with the lock and the
+    closing flag its queues share and the calls queued for it; `run` is the subclass's loop."""
 
-    def __init__(self, decode: Decode, max_batch_tokens: int, max_wait_s: float, max_queue: int, on_batch=None):
-        self.decode, self.max_batch_tokens, self.max_wait_s, self.max_queue = decode, max_batch_tokens, max_wait_s, max_queue  # fmt: skip
-        self.on_batch = on_batch or (lambda sentences: None)
-        self.pending: deque[Job] = deque()
-        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()  # other torch work for this thread
+    def __init__(self, max_queue: int):
+        self.max_queue = max_queue
+        self.calls: deque[tuple[Callable, asyncio.Future]] = deque()
         self.changed = threading.Condition()
         self.closing = False
         self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
+
+    def run(self) -> None:
+        raise NotImplementedError
 
     def start(self) -> None:
         self.thread.start()
 
     def close(self) -> None:
-        """Decode what is queued, then stop the worker."""
+        """Decode what is queued or running, then stop the thread."""
         with self.changed:
             self.closing = True
             self.changed.notify()
         if self.thread.is_alive():
             self.thread.join()
 
-    def __len__(self) -> int:
-        return len(self.pending)
-
-    async def translate(self, sources: list[list[int]], settings: DecodeConfig) -> Answer:
-        """Queue the sentences and wait for their n-best lists; QueueFull when max_queue requests wait."""
-        job = Job(sources, settings, asyncio.get_running_loop().create_future())
-        with self.changed:
-            if self.closing:
-                raise QueueFull("the server is shutting down")
-            if len(self.pending) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests wait); retry later")
-            self.pending.append(job)
-            self.changed.notify()
-        return await job.future
-
     async def call(self, fn: Callable, *args):
-        """fn(*args) on the decoding thread, between batches (see `torch_calls`)."""
+        """fn(*args) on the decoding thread, between batches or steps."""
         future = asyncio.get_running_loop().create_future()
         with self.changed:
             self.calls.append((lambda: fn(*args), future))
             self.changed.notify()
         return await future
+
+    async def enqueue(self, queue, item, future: asyncio.Future):
+        """Put a request on one of the thread's queues and wait for its answer; QueueFull when
+        max_queue requests wait (len(self)) or the server is shutting down."""
+        with self.changed:
+            if self.closing:
+                raise QueueFull("the server is shutting down")
+            if len(self) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} requests wait); retry later")
+            queue.append(item)
+            self.changed.notify()
+        return await future
+
+
+class Batcher(DecodingThread):
+    """The queue of whole requests; `on_batch(sentences)` is called after each decoded batch."""
+
+    def __init__(self, decode: Decode, max_batch_tokens: int, max_wait_s: float, max_queue: int, on_batch=None):
+        self.decode, self.max_batch_tokens, self.max_wait_s = decode, max_batch_tokens, max_wait_s
+        self.on_batch = on_batch or (lambda sentences: None)
+        self.pending: deque[Job] = deque()
+        super().__init__(max_queue)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    async def translate(self, sources: list[list[int]], settings: DecodeConfig) -> Answer:
+        """Queue the sentences and wait for their n-best lists."""
+        job = Job(sources, settings, asyncio.get_running_loop().create_future())
+        return await self.enqueue(self.pending, job, job.future)
 
     def run(self) -> None:
         while True:

@@ -7,14 +7,12 @@ so the app takes either."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
-from .batcher import Answer, QueueFull, resolve, run_calls, take_calls
+from .batcher import Answer, DecodingThread, resolve, run_calls, take_calls
 from .engine import Engine, Sentence
 
 
@@ -33,30 +31,16 @@ class Request:
     batch_requests: int = 0  # and the most requests
 
 
-class ContinuousBatcher:
-    """The engine, its worker thread and the requests on their way in; `on_step(sentences)` is
-    called after each decoding step with the sentences it ran."""
+class ContinuousBatcher(DecodingThread):
+    """The engine and the requests on their way in; `on_step(sentences)` is called after each
+    decoding step with the sentences it ran, `on_done(sentences)` when a request is answered."""
 
     def __init__(self, engine: Engine, eos_id: int, max_new_tokens: int, max_queue: int, on_step=None, on_done=None):
-        self.engine, self.eos_id, self.max_new_tokens, self.max_queue = engine, eos_id, max_new_tokens, max_queue
+        self.engine, self.eos_id, self.max_new_tokens = engine, eos_id, max_new_tokens
         self.on_step: Callable[[int], None] = on_step or (lambda sentences: None)
         self.on_done: Callable[[int], None] = on_done or (lambda sentences: None)
         self.incoming: list[Request] = []
-        self.calls: deque = deque()  # other torch work for this thread (batcher.py: run_calls)
-        self.changed = threading.Condition()
-        self.closing = False
-        self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def close(self) -> None:
-        """Finish every sentence queued or running, then stop the worker."""
-        with self.changed:
-            self.closing = True
-            self.changed.notify()
-        if self.thread.is_alive():
-            self.thread.join()
+        super().__init__(max_queue)
 
     def __len__(self) -> int:
         """Requests with a sentence that has not joined the batch yet."""
@@ -65,22 +49,7 @@ class ContinuousBatcher:
 
     async def translate(self, sources: list[list[int]], settings: DecodeConfig) -> Answer:
         request = Request(sources, settings, asyncio.get_running_loop().create_future())
-        with self.changed:
-            if self.closing:
-                raise QueueFull("the server is shutting down")
-            if len(self) >= self.max_queue:
-                raise QueueFull(f"the queue is full ({self.max_queue} requests wait); retry later")
-            self.incoming.append(request)
-            self.changed.notify()
-        return await request.future
-
-    async def call(self, fn: Callable, *args):
-        """fn(*args) on the decoding thread, between steps."""
-        future = asyncio.get_running_loop().create_future()
-        with self.changed:
-            self.calls.append((lambda: fn(*args), future))
-            self.changed.notify()
-        return await future
+        return await self.enqueue(self.incoming, request, request.future)
 
     def run(self) -> None:
         while True:

@@ -98,17 +98,18 @@ class Engine:
 
     def most_needed(self, source_tokens: int, beam_size: int) -> int:
         """Blocks one sentence of `source_tokens` tokens (EOS included) can need at `beam_size`."""
-        probe = Sentence([self.model.cfg.pad_id + 1] * source_tokens, self.decode_at(beam_size), lambda n_best: None)
-        probe.max_len = int(max_lengths(torch.ones(1, 1, 1, source_tokens, dtype=torch.bool), probe.settings, self.limit)[0])  # fmt: skip
+        settings = dataclasses.replace(self.settings, beam_size=beam_size, n_best=1)
+        probe = Sentence([self.model.cfg.pad_id + 1] * source_tokens, settings, lambda n_best: None)
+        probe.max_len = self.length_limit(source_tokens, settings)
         return self.need(probe)
 
-    def decode_at(self, beam_size: int) -> DecodeConfig:
-        return dataclasses.replace(self.settings, beam_size=beam_size, n_best=1)
+    def length_limit(self, source_tokens: int, settings: DecodeConfig) -> int:
+        """decoding/search.py's max_lengths for one source of `source_tokens` tokens (EOS included)."""
+        return int(max_lengths(torch.ones(1, 1, 1, source_tokens, dtype=torch.bool), settings, self.limit)[0])
 
     def add(self, sentence: Sentence) -> None:
         """Queue a sentence; ValueError when it could not fit in the pool even alone."""
-        src_mask = padding_mask(torch.tensor([sentence.ids]), self.model.cfg.pad_id)
-        sentence.max_len = int(max_lengths(src_mask, sentence.settings, self.limit)[0])
+        sentence.max_len = self.length_limit(len(sentence.ids), sentence.settings)
         if self.need(sentence) > self.pool.n_blocks:
             raise ValueError(
                 f"a sentence of {len(sentence.ids)} tokens needs {self.need(sentence)} blocks at beam size "
