@@ -81,9 +81,12 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
         return lambda src, dc: ctranslate2_ids(translator, tokenizer, src, dc, limit)
 
     def engine(translator):
+        continuous = Engine(
+            translator.model, tokenizer, translator.decode, "cpu", 256 << 20
+        )  # once: its pool is reused
+
         def run(src, dc):
             settings = dataclasses.replace(dc, n_best=1)
-            continuous = Engine(translator.model, tokenizer, settings, "cpu", 256 << 20)
             out = [None] * len(src)
             for i, ids in enumerate(src):
                 continuous.add(Sentence(ids + [tokenizer.eos_id], settings, lambda n_best, i=i: out.__setitem__(i, n_best[0].tokens)))  # fmt: skip

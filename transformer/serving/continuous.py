@@ -12,18 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
-from .batcher import Answer, DecodingThread, resolve, run_calls, take_calls
+from ..decoding.strategies import STRATEGIES
+from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_calls
 from .engine import Engine, Sentence
 
 
 @dataclass
-class Request:
-    """One request's sentences on their way through the engine."""
+class Request(Job):
+    """A request-level Job on its way through the engine, and its sentences' progress."""
 
-    sources: list[list[int]]
-    settings: DecodeConfig
-    future: asyncio.Future
-    queued_at: float = field(default_factory=time.perf_counter)
     n_best: list = field(default_factory=list)
     left: int = 0  # sentences not yet ended
     started_at: float | None = None  # when its first sentence joined the batch
@@ -86,16 +83,17 @@ class ContinuousBatcher(DecodingThread):
         """A request's sentences into the engine's queue; an empty one ends at once."""
         request.n_best = [None] * len(request.sources)
         request.left = len(request.sources)
-        empty = [Hypothesis([], 0.0, 0.0)] * (request.settings.n_best if request.settings.strategy == "beam" else 1)
+        empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[request.settings.strategy].hypotheses_per_sentence(
+            request.settings
+        )
         try:
             for i, ids in enumerate(request.sources):
                 if not ids:
                     self.finish(request, i, empty)
                     continue
-                sentence = Sentence(ids + [self.eos_id], request.settings, self.done_callback(request, i))
-                sentence.cancelled = request.future.done  # the client went away: its sentences leave
-                sentence.request = request
-                self.engine.add(sentence)
+                done = self.done_callback(request, i)
+                # A request whose future is done (the client went away) takes its sentences out.
+                self.engine.add(Sentence(ids + [self.eos_id], request.settings, done, request.future.done, request))
         except ValueError as e:  # a sentence that could never fit in the pool
             resolve(request.future, error=e)
 

@@ -110,9 +110,10 @@ class Engine:
     def add(self, sentence: Sentence) -> None:
         """Queue a sentence; ValueError when it could not fit in the pool even alone."""
         sentence.max_len = self.length_limit(len(sentence.ids), sentence.settings)
-        if self.need(sentence) > self.pool.n_blocks:
+        need = self.need(sentence)
+        if need > self.pool.n_blocks:
             raise ValueError(
-                f"a sentence of {len(sentence.ids)} tokens needs {self.need(sentence)} blocks at beam size "
+                f"a sentence of {len(sentence.ids)} tokens needs {need} blocks at beam size "
                 f"{sentence.width}; the pool has {self.pool.n_blocks} (raise limits.pool_mib)"
             )
         sentence.arrived = self.steps
@@ -154,9 +155,10 @@ class Engine:
             sentence = self.waiting[0]
             if joining and tokens + len(sentence.ids) > max_new_tokens:
                 break
-            if not self.pool.reserve(self.need(sentence)):
+            need = self.need(sentence)
+            if not self.pool.reserve(need):
                 break  # the pool is full: wait for running sentences to end
-            sentence.reserved = self.need(sentence)
+            sentence.reserved = need
             joining.append(self.waiting.pop(0))
             tokens += len(sentence.ids)
         if not joining:
