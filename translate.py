@@ -22,6 +22,10 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
     constraints=true           input lines are source<TAB>phrase<TAB>...: each translation contains the phrases
     decode.alignment=true      translation <TAB> its word alignment, i-j pairs (source word i, output word j)
+    tgt_lang=fr                a many-to-many model's target language (data.directions); a source
+                               language need not be named
+    pivot=en                   translate into the pivot language first, then from it into tgt_lang
+                               (the baseline for directions a many-to-many model was not trained on)
 Empty input lines give empty output lines; over-long lines are truncated with a warning.
 """
 
@@ -59,6 +63,8 @@ class TranslateConfig:
     interactive: bool = False
     prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
     constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
+    tgt_lang: Optional[str] = None  # a many-to-many model's target language
+    pivot: Optional[str] = None  # translate into this language first, then from it into tgt_lang
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -67,6 +73,10 @@ class TranslateConfig:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
         if self.prefix and self.constraints:
             raise ValueError("prefix=true and constraints=true read different lines: choose one")
+        if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
+            raise ValueError(f"pivot={self.pivot} needs tgt_lang= naming another language to translate into")
+        if self.pivot is not None and self.decode.alignment:
+            raise ValueError("decode.alignment=true aligns a translation with its source: it cannot be used with pivot=")
 
 
 def input_chunks(cfg: TranslateConfig) -> Iterator[list[str]]:
@@ -113,7 +123,9 @@ def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[st
     first = count + 1
     lines, prefixes = split_prefixes(lines, name, first) if cfg.prefix else (lines, None)
     lines, constraints = split_constraints(lines, name, first) if cfg.constraints else (lines, None)
-    n_best = translator.translate_texts(lines, None, bar, name, first, prefixes, constraints)
+    if cfg.pivot is not None:  # the pivot translations are the sources of the second leg
+        lines = translator.translate(lines, None, None, name, tgt_lang=cfg.pivot)
+    n_best = translator.translate_texts(lines, None, bar, name, first, prefixes, constraints, cfg.tgt_lang)
     alignments = translator.align(lines, n_best) if cfg.decode.alignment else None
     return output_lines(n_best, translator.tokenizer, cfg.decode.n_best, count, alignments)
 
@@ -125,6 +137,8 @@ def main(argv: list[str]) -> None:
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
         translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
+        for lang in (cfg.tgt_lang, *([cfg.pivot] if cfg.pivot else [])):  # a bad language fails before any input is read
+            translator.target_tag(lang)
         warn_if_target_language(cfg.input, translator)
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:

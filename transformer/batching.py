@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .data import DataConfig
+from .data import DataConfig, DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -25,12 +25,28 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TokenizedCorpus:
-    """Token ids of one split (no BOS/EOS yet), aligned with the raw text."""
+    """Token ids of one split (no BOS/EOS yet; a many-to-many model's sources start with their
+    target tag), aligned with the raw text; `direction` names each pair's direction ("de-en") in a
+    split of several, and is None in a split of one."""
 
     src: list[list[int]]
     tgt: list[list[int]]
     src_text: list[str]
     tgt_text: list[str]
+    direction: list[str] | None = None
+
+    def directions(self) -> dict[str, list[int]]:
+        """{direction: the indices of its pairs}, in order of first appearance ({"": all} for a split of one)."""
+        if self.direction is None:
+            return {"": list(range(len(self)))}
+        groups: dict[str, list[int]] = {}
+        for i, name in enumerate(self.direction):
+            groups.setdefault(name, []).append(i)
+        return groups
+
+    def subset(self, indices) -> TokenizedCorpus:
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        return TokenizedCorpus(pick(self.src), pick(self.tgt), pick(self.src_text), pick(self.tgt_text), pick(self.direction))
 
     def __len__(self) -> int:
         return len(self.src)
@@ -73,14 +89,32 @@ def tokenize_mapped(ds: datasets.Dataset, tokenizer) -> MappedCorpus:
     return MappedCorpus(ds.map(encode, batched=True, batch_size=10_000, remove_columns=ds.column_names))
 
 
-def tokenize(ds: datasets.Dataset, tokenizer) -> TokenizedCorpus:
-    ids = ds.map(
-        lambda batch: {"src_ids": tokenizer.source.encode(batch["src"]), "tgt_ids": tokenizer.encode(batch["tgt"])},
-        batched=True,
-        batch_size=2048,
-    )
-    columns = ids.to_dict()
-    return TokenizedCorpus(columns["src_ids"], columns["tgt_ids"], columns["src"], columns["tgt"])
+def source_ids(tokenizer, texts: list[str], tgt_langs: list[str] | None) -> list[list[int]]:
+    """Source token ids of `texts`; with a tokenizer that has target tags, each starts with the tag
+    of its target language (tgt_langs, one per text)."""
+    ids = tokenizer.source.encode(texts)
+    tags = tokenizer.target_tags
+    if not tags:
+        return ids
+    if tgt_langs is None:
+        raise DataError("the tokenizer has target-language tags, but the split names no target language")
+    for lang in set(tgt_langs) - set(tags):
+        raise DataError(f"the tokenizer has no tag for target language {lang!r}; it has {', '.join(sorted(tags))}")
+    return [[tags[lang], *sentence] for lang, sentence in zip(tgt_langs, ids)]
+
+
+def tokenize(ds: datasets.Dataset, tokenizer, tgt_lang: str | None = None) -> TokenizedCorpus:
+    """A split's token ids. With a tokenizer that has target tags, each source starts with the tag
+    of its "tgt_lang" column, or of `tgt_lang` for a split without one."""
+    multi = "tgt_lang" in ds.column_names
+
+    def encode(batch):
+        langs = batch["tgt_lang"] if multi else None if tgt_lang is None else [tgt_lang] * len(batch["src"])
+        return {"src_ids": source_ids(tokenizer, batch["src"], langs), "tgt_ids": tokenizer.encode(batch["tgt"])}
+
+    columns = ds.map(encode, batched=True, batch_size=2048).to_dict()
+    direction = [f"{s}-{t}" for s, t in zip(columns["src_lang"], columns["tgt_lang"])] if multi else None
+    return TokenizedCorpus(columns["src_ids"], columns["tgt_ids"], columns["src"], columns["tgt"], direction)
 
 
 def filter_long(corpus: TokenizedCorpus | MappedCorpus, max_len: int) -> TokenizedCorpus | MappedCorpus:
@@ -92,8 +126,7 @@ def filter_long(corpus: TokenizedCorpus | MappedCorpus, max_len: int) -> Tokeniz
     keep = [i for i, (s, t) in enumerate(zip(corpus.src, corpus.tgt)) if max(len(s), len(t)) + 1 <= max_len]
     if len(keep) < len(corpus):
         log.info("dropped %d of %d training pairs longer than %d tokens", len(corpus) - len(keep), len(corpus), max_len)
-    pick = lambda xs: [xs[i] for i in keep]  # noqa: E731
-    return TokenizedCorpus(pick(corpus.src), pick(corpus.tgt), pick(corpus.src_text), pick(corpus.tgt_text))
+    return corpus.subset(keep)
 
 
 class SubwordSampler:

@@ -182,9 +182,15 @@ def language_pair(train_config: dict | None) -> tuple[tuple[str, ...], str] | No
     """(source languages, target language) of a checkpoint's training run: data.src_lang first,
     then data.extra_src_langs (many-to-one), and data.tgt_lang; None when train_config lacks them."""
     data = train_config.get("data") if isinstance(train_config, dict) else None
-    if not isinstance(data, dict) or not data.get("src_lang") or not data.get("tgt_lang"):
-        return None
+    if not isinstance(data, dict) or not data.get("src_lang") or not data.get("tgt_lang") or data.get("directions"):
+        return None  # a many-to-many run's are its directions
     return (data["src_lang"], *(data.get("extra_src_langs") or [])), data["tgt_lang"]
+
+
+def directions_of(train_config: dict | None) -> list[str]:
+    """The directions ("de-en") of a many-to-many training run (data.directions); [] for another."""
+    data = train_config.get("data") if isinstance(train_config, dict) else None
+    return [str(name) for name in data.get("directions") or []] if isinstance(data, dict) else []
 
 
 def direction(pair: tuple[tuple[str, ...], str]) -> str:

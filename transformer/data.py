@@ -6,9 +6,11 @@ one sentence per line (the Multi30k layout), or a dataset on the Hugging Face Hu
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import logging
 import math
+import random
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
@@ -59,6 +61,13 @@ class DataConfig:
     # Many-to-one: the training split also pairs these languages' sentences with the same targets
     # (e.g. [fr, cs] beside en -> de on Multi30k); validation and test stay src_lang -> tgt_lang.
     extra_src_langs: list[str] = field(default_factory=list)
+    # Many-to-many: one model for every listed direction, e.g. [de-en, en-de, fr-en]; each source
+    # starts with its target language's tag (<2en>). Empty: the one direction src_lang -> tgt_lang.
+    directions: list[str] = field(default_factory=list)
+    # With directions: direction d's share of the training pairs (and each language's share of the
+    # tokenizer's text) is proportional to its size ** (1 / temperature); 1 keeps the corpus' own
+    # shares, larger values raise the small directions towards equal shares (Arivazhagan et al., 2019).
+    temperature: float = 5.0
 
     def __post_init__(self) -> None:
         self.check_sizes()
@@ -76,6 +85,7 @@ class DataConfig:
                 raise ValueError(f"data.extra_src_langs: {lang!r} is already data.src_lang or data.tgt_lang")
             if list(self.extra_src_langs).count(lang) > 1:
                 raise ValueError(f"data.extra_src_langs: {lang!r} is listed twice")
+        self.check_directions()
 
     def check_sizes(self) -> None:
         # vocab_size: more pieces than the 4 special ones (pad, unk, bos, eos); max_len: a token and
@@ -85,6 +95,37 @@ class DataConfig:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= {low}")
         if self.spm_model_type not in SPM_MODEL_TYPES:
             raise ValueError(f"data.spm_model_type={self.spm_model_type!r} is not one of {SPM_MODEL_TYPES}")
+
+    def check_directions(self) -> None:
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"data.temperature={self.temperature} must be > 0 and finite")
+        for name in self.directions:
+            langs = str(name).split("-")
+            if len(langs) != 2 or not all(langs) or langs[0] == langs[1]:
+                raise ValueError(f"data.directions: {name!r} is not a direction like de-en (source-target)")
+            if list(self.directions).count(name) > 1:
+                raise ValueError(f"data.directions: {name!r} is listed twice")
+        if self.directions and self.extra_src_langs:
+            raise ValueError("data.directions and data.extra_src_langs both list the languages: use data.directions")
+        if self.directions and (self.streaming or self.subword_alpha > 0 or not self.joint_vocab):
+            raise ValueError("data.directions needs one joint vocabulary in memory: data.joint_vocab=true, data.streaming=false, data.subword_alpha=0")  # fmt: skip
+
+    @property
+    def multilingual(self) -> bool:
+        """True for a many-to-many run (data.directions): every source carries a target tag."""
+        return bool(self.directions)
+
+    @property
+    def pairs(self) -> list[tuple[str, str]]:
+        """The (source, target) languages of every direction trained: data.directions, or the one pair."""
+        if self.directions:
+            return [tuple(str(name).split("-")) for name in self.directions]
+        return [(self.src_lang, self.tgt_lang)]
+
+    @property
+    def languages(self) -> list[str]:
+        """Every language of the directions, in order of first appearance."""
+        return list(dict.fromkeys(lang for pair in self.pairs for lang in pair))
 
     def check_names(self) -> None:
         if self.src_lang == self.tgt_lang:
@@ -168,10 +209,15 @@ def corpus_file(directory: Path, split: str, lang: str) -> Path:
     raise DataError(f"missing data file {directory}/{split}.{lang}[.gz] (split {split!r})")
 
 
-def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
+def load_split(cfg: DataConfig, split: str, pairs: list[tuple[str, str]] | None = None) -> datasets.Dataset:
     """One split as a Dataset with string columns "src" and "tgt". The training split with
-    data.extra_src_langs holds each source language's pairs in turn, with a "src_lang" column."""
+    data.extra_src_langs holds each source language's pairs in turn, with a "src_lang" column.
+    With data.directions (or `pairs`, some of them), the split holds each direction's pairs in
+    turn, with "src_lang" and "tgt_lang" columns; its training split is resampled by
+    data.temperature (resample)."""
     datasets = _datasets()
+    if cfg.multilingual or pairs is not None:
+        return load_directions(cfg, split, pairs or cfg.pairs)
     many = split == cfg.train_split and bool(cfg.extra_src_langs)
     langs = [cfg.src_lang, *cfg.extra_src_langs] if many else [cfg.src_lang]
     if cfg.hub_name:
@@ -185,11 +231,53 @@ def load_split(cfg: DataConfig, split: str) -> datasets.Dataset:
     return datasets.concatenate_datasets(tagged)
 
 
-def load_pairs(cfg: DataConfig, split: str, src_lang: str) -> datasets.Dataset:
-    """The pairs src_lang -> cfg.tgt_lang of one split of the local corpus."""
+def load_directions(cfg: DataConfig, split: str, pairs: list[tuple[str, str]]) -> datasets.Dataset:
+    """The pairs of each direction of one split, in turn, with "src_lang" and "tgt_lang" columns."""
+    datasets = _datasets()
+    parts = []
+    for src, tgt in pairs:
+        if cfg.hub_name:
+            part = _load_hub_split(dataclasses.replace(cfg, tgt_lang=tgt, directions=[]), split, [src])[0]
+        else:
+            part = load_pairs(cfg, split, src, tgt)
+        langs = lambda batch, s, t: {"src_lang": [s] * len(batch["src"]), "tgt_lang": [t] * len(batch["src"])}  # noqa: E731
+        parts.append(part.map(langs, fn_kwargs={"s": src, "t": tgt}, batched=True, batch_size=10_000))
+    return datasets.concatenate_datasets(parts)
+
+
+def direction_sizes(counts: dict[str, int], temperature: float) -> dict[str, int]:
+    """How many training pairs each direction gets, from its own count: shares proportional to
+    count ** (1 / temperature), the total kept (temperature 1 keeps every count)."""
+    total = sum(counts.values())
+    weights = {name: n ** (1 / temperature) for name, n in counts.items()}
+    return {name: round(total * w / sum(weights.values())) for name, w in weights.items()}
+
+
+def resample(ds: datasets.Dataset, temperature: float, seed: int) -> datasets.Dataset:
+    """A multilingual training split with each direction's pairs repeated or thinned to its
+    temperature-sampled size (direction_sizes): whole copies, then a seeded random draw of the rest."""
+    datasets = _datasets()
+    names = [f"{s}-{t}" for s, t in zip(ds["src_lang"], ds["tgt_lang"])]
+    rows: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        rows.setdefault(name, []).append(i)
+    sizes = direction_sizes({name: len(r) for name, r in rows.items()}, temperature)
+    if all(sizes[name] == len(r) for name, r in rows.items()):
+        return ds
+    rng = random.Random(seed)
+    picked = []
+    for name, r in rows.items():
+        copies, rest = divmod(sizes[name], len(r))
+        picked += r * copies + sorted(rng.sample(r, rest))
+        log.info("direction %s: %d training pairs drawn from %d (data.temperature)", name, sizes[name], len(r))
+    return ds.select(picked)
+
+
+def load_pairs(cfg: DataConfig, split: str, src_lang: str, tgt_lang: str | None = None) -> datasets.Dataset:
+    """The pairs src_lang -> tgt_lang (default cfg.tgt_lang) of one split of the local corpus."""
     datasets = _datasets()
     directory = Path(cfg.dir)
-    src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, cfg.tgt_lang)
+    src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, tgt_lang or cfg.tgt_lang)
     if cfg.streaming and split == cfg.train_split:
         return load_mapped(src_path, tgt_path)
     src, tgt = read_parallel(src_path, tgt_path)
@@ -202,6 +290,29 @@ def primary_rows(ds: datasets.Dataset, src_lang: str) -> datasets.Dataset:
     if "src_lang" not in ds.column_names:
         return ds
     return ds.filter(lambda langs: [x == src_lang for x in langs], input_columns="src_lang", batched=True)
+
+
+def language_text(ds: datasets.Dataset, temperature: float, seed: int) -> list[str]:
+    """The text a multilingual tokenizer is trained on: each language's sentences once (from the
+    first direction that has the language on either side: a language on both sides of several
+    directions would otherwise count several times), resampled to shares proportional to
+    count ** (1 / temperature) as resample does for directions."""
+    columns = ds.select_columns(["src", "tgt", "src_lang", "tgt_lang"]).to_dict()
+    first: dict[str, tuple[str, str]] = {}  # language -> (direction, side) whose sentences it takes
+    for s, t in dict.fromkeys(zip(columns["src_lang"], columns["tgt_lang"])):
+        first.setdefault(s, (f"{s}-{t}", "src"))
+        first.setdefault(t, (f"{s}-{t}", "tgt"))
+    text: dict[str, list[str]] = {lang: [] for lang in first}
+    for i, (s, t) in enumerate(zip(columns["src_lang"], columns["tgt_lang"])):
+        for lang, side in ((s, "src"), (t, "tgt")):
+            if first[lang] == (f"{s}-{t}", side):
+                text[lang].append(columns[side][i])
+    sizes = direction_sizes({lang: len(lines) for lang, lines in text.items()}, temperature)
+    rng, out = random.Random(seed), []
+    for lang, lines in text.items():
+        copies, rest = divmod(sizes[lang], len(lines))
+        out += lines * copies + rng.sample(lines, rest)
+    return out
 
 
 def load_mapped(src_path: Path, tgt_path: Path) -> datasets.Dataset:

@@ -130,12 +130,20 @@ class Monitor:
             self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tok_per_s:.0f}", refresh=False)
 
     def valid(
-        self, step: int, loss: float, bleu: float | None, chrf: float | None, train_minutes: float | None = None
+        self,
+        step: int,
+        loss: float,
+        bleu: float | None,
+        chrf: float | None,
+        train_minutes: float | None = None,
+        directions: dict[str, float] | None = None,
     ) -> None:
-        """train_minutes: the training loop's clock at this validation, as trainer.max_minutes counts it."""
+        """train_minutes: the training loop's clock at this validation, as trainer.max_minutes counts it;
+        directions: a many-to-many run's BLEU of each direction (valid/bleu_de-en), bleu their mean."""
         record = {"step": step, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 50))}
         if bleu is not None:
             record.update(valid_bleu=bleu, valid_chrf=chrf)
+            record.update({f"valid_bleu_{name}": value for name, value in (directions or {}).items()})
         self.record(record if train_minutes is None else record | {"train_minutes": round(train_minutes, 3)})
         if self.writer:
             for name, value in record.items():

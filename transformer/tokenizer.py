@@ -5,8 +5,10 @@ brings its own: two SentencePiece models, one per side, whose pieces are numbere
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,6 +20,15 @@ from .data import DataError
 
 # Fixed ids so a model and its tokenizer always agree on the special tokens (a Vocabulary names its own).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+# Target-language tags, the first token of a many-to-many model's sources: ours are <2en>
+# (SentencePiece user symbols, added by data.directions), Marian's multilingual models' >>fra<<.
+TAG_PATTERNS = (re.compile(r"^<2([A-Za-z_]+)>$"), re.compile(r"^>>([A-Za-z_]+)<<$"))
+
+
+def tag_piece(lang: str) -> str:
+    """The tag our tokenizers give target language `lang`: <2en>."""
+    return f"<2{lang}>"
 
 
 @dataclass(frozen=True)
@@ -85,9 +96,12 @@ class Tokenizer:
         return mine == theirs and self.vocabulary == other.vocabulary
 
     @classmethod
-    def train(cls, sentences: Iterable[str], vocab_size: int, model_type: str, sample: int = 0) -> Tokenizer:
+    def train(
+        cls, sentences: Iterable[str], vocab_size: int, model_type: str, sample: int = 0, symbols: Iterable[str] = ()
+    ) -> Tokenizer:
         """sample > 0: train on that many sentences drawn at random from the stream (SentencePiece
-        keeps only those in memory); 0 uses them all."""
+        keeps only those in memory); 0 uses them all. `symbols`: pieces kept whole (user symbols,
+        e.g. the target tags), numbered right after the special ones."""
         stream = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
@@ -104,6 +118,7 @@ class Tokenizer:
                 minloglevel=2,
                 input_sentence_size=sample,
                 shuffle_input_sentence=sample > 0,
+                user_defined_symbols=list(symbols),
             )
         except RuntimeError as e:  # how SentencePiece reports bad settings, e.g. too large a vocabulary
             settings = f"data.vocab_size={vocab_size}, data.spm_model_type={model_type}"
@@ -138,6 +153,20 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.sp.get_piece_size() if self.vocabulary is None else len(self.vocabulary.pieces)
+
+    @functools.cached_property
+    def target_tags(self) -> dict[str, int]:
+        """{language: id} of the target-language tags a source may start with (<2en>, or an imported
+        Marian model's >>fra<<); empty for a model that translates into one language. The tags are
+        source tokens: with a separate source vocabulary, they are its pieces."""
+        side = self.source
+        pieces = side.vocabulary.pieces if side.vocabulary is not None else map(side.sp.id_to_piece, range(len(side)))
+        tags = {}
+        for i, piece in enumerate(pieces):
+            for pattern in TAG_PATTERNS:
+                if (match := pattern.match(piece)) is not None:
+                    tags.setdefault(match.group(1), i)
+        return tags
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         if self.vocabulary is None:

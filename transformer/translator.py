@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import direction, language_pair, load_model, same_direction
+from .checkpoint import direction, directions_of, language_pair, load_model, same_direction
 from .decoding import STRATEGIES, DecodeConfig, Ensemble, Hypothesis, encode_sources
 from .decoding import corpus as decoding
 from .decoding.alignment import align_translations
@@ -38,8 +38,9 @@ class Translator:
     def __init__(self, model, tokenizer, device, decode: DecodeConfig, payload: dict | None = None):
         self.model, self.tokenizer, self.device, self.decode = model.eval(), tokenizer, torch.device(device), decode
         self.payload = payload or {}
-        pair = language_pair(self.payload.get("train_config"))
-        self.language_pair = direction(pair) if pair else None  # e.g. "de-en"; None for a model without one
+        self.pair = language_pair(self.payload.get("train_config"))
+        self.language_pair = direction(self.pair) if self.pair else None  # e.g. "de->en"; None for a model without one
+        self.directions = directions_of(self.payload.get("train_config"))  # a many-to-many model's, e.g. ["de-en", "en-fr"]
         self.lock = threading.Lock()
 
     @classmethod
@@ -81,6 +82,31 @@ class Translator:
             model = quantize_int8(copy.deepcopy(model), getattr(model, "onednn", False))
         return cls(model, tokenizer, device, decode)
 
+    # ---- target languages
+
+    @property
+    def target_languages(self) -> list[str]:
+        """The languages a many-to-many model translates into, by its tokenizer's target tags; [] for another."""
+        return sorted(self.tokenizer.target_tags)
+
+    def target_tag(self, tgt_lang: str | None) -> int | None:
+        """The tag id a source starts with to be translated into `tgt_lang` (None: the model's
+        default), or None for a model without tags. A model with tags has a default when it was
+        fine-tuned on one direction or has one tag; otherwise tgt_lang is needed. ConfigError names
+        a language the model does not translate into."""
+        tags = self.tokenizer.target_tags
+        if not tags:
+            if tgt_lang is not None and self.pair is not None and tgt_lang != self.pair[1]:
+                raise ConfigError(f"tgt_lang={tgt_lang}, but this model translates {self.language_pair} only")
+            return None
+        if tgt_lang is None:
+            tgt_lang = self.pair[1] if self.pair is not None else next(iter(tags)) if len(tags) == 1 else None
+        if tgt_lang is None:
+            raise ConfigError(f"this model translates into {', '.join(self.target_languages)}: choose one with tgt_lang=")
+        if tgt_lang not in tags:
+            raise ConfigError(f"tgt_lang={tgt_lang}: this model translates into {', '.join(self.target_languages)}")
+        return tags[tgt_lang]
+
     # ---- decoding
 
     def settings(self, beam_size: int | None = None, n_best: int | None = None, length_penalty: float | None = None):
@@ -108,16 +134,18 @@ class Translator:
         with self.lock:
             return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints)  # fmt: skip
 
-    def translate_texts(self, texts: list[str], settings=None, progress=None, source_name="input", first_line=1, prefixes=None, constraints=None):  # fmt: skip
+    def translate_texts(self, texts: list[str], settings=None, progress=None, source_name="input", first_line=1, prefixes=None, constraints=None, tgt_lang=None):  # fmt: skip
         """n-best lists of texts in input order; an empty text gets empty hypotheses. Warnings name
-        texts[0] as line `first_line` of source_name. prefixes / constraints: decoding/inputs.py."""
+        texts[0] as line `first_line` of source_name. prefixes / constraints: decoding/inputs.py.
+        tgt_lang: the target language of a many-to-many model (target_tag)."""
+        tag = self.target_tag(tgt_lang)
         with self.lock:
-            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints)  # fmt: skip
+            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints, tag)  # fmt: skip
 
-    def translate(self, texts: list[str], settings=None, progress=None, source_name="input") -> list[str]:
+    def translate(self, texts: list[str], settings=None, progress=None, source_name="input", tgt_lang=None) -> list[str]:  # fmt: skip
         """The best translation of each text, in input order; empty texts give empty translations."""
-        with self.lock:
-            return decoding.translate(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name)  # fmt: skip
+        n_best = self.translate_texts(texts, settings, progress, source_name, tgt_lang=tgt_lang)
+        return self.tokenizer.decode([hyps[0].tokens for hyps in n_best])
 
     def translate_corpus(self, corpus, settings=None) -> list[str]:
         """The best translation of each sentence of a tokenized corpus (batching.TokenizedCorpus)."""
@@ -133,11 +161,13 @@ class Translator:
 
     @property
     def max_source_tokens(self) -> int:
-        return self.model.cfg.max_positions - 1  # the EOS takes one position
+        """Source tokens a sentence may have: the EOS takes one position, and a target tag another."""
+        return self.model.cfg.max_positions - 1 - bool(self.tokenizer.target_tags)
 
-    def encode(self, texts: list[str]) -> list[list[int]]:
-        """Source token ids; an over-long text is truncated to what the model's positions allow (with a warning)."""
-        return encode_sources(texts, self.tokenizer, self.max_source_tokens, "request")
+    def encode(self, texts: list[str], tgt_lang: str | None = None) -> list[list[int]]:
+        """Source token ids, starting with tgt_lang's tag for a many-to-many model; an over-long
+        text is truncated to what the model's positions allow (with a warning)."""
+        return encode_sources(texts, self.tokenizer, self.max_source_tokens, "request", tag=self.target_tag(tgt_lang))
 
     def translate_batch(self, sources: list[list[int]], settings: DecodeConfig) -> list[list[Hypothesis]]:
         """n-best lists of token-id sentences in input order; an empty one gets empty hypotheses."""
@@ -152,7 +182,7 @@ class Translator:
         """Decode one short sentence as a request is decoded, with these settings; raises when the
         model cannot: an error, no hypothesis (a model with NaN weights ends none), or a
         log-probability that is not a finite number."""
-        sources = self.encode(["Hello."])
+        sources = self.encode(["Hello."], self.target_languages[0] if self.target_languages else None)
         if not sources[0]:
             raise RuntimeError("the tokenizer encodes the check sentence 'Hello.' to no tokens")
         log_probs = [h.log_prob for h in self.translate_batch(sources, self.decode)[0]]
@@ -172,14 +202,14 @@ class Translator:
         return self.first_model.cfg.n_decoder_layers
 
     @torch.no_grad()
-    def cross_attention(self, source: str, translation: str, layer: int) -> dict:
+    def cross_attention(self, source: str, translation: str, layer: int, tgt_lang: str | None = None) -> dict:
         """Decoder layer `layer`'s cross-attention for the pair, averaged over heads: weights[i][j] is
         how much the step that wrote target token i looked at source token j (both end in </s>)."""
         if not -self.n_layers <= layer < self.n_layers:
             raise ValueError(
                 f"layer={layer} is not a decoder layer: the model has {self.n_layers} (0..{self.n_layers - 1})"
             )
-        src_ids = self.encode([source])[0]
+        src_ids = self.encode([source], tgt_lang)[0]
         tgt_ids = self.tokenizer.encode([translation])[0][: self.first_model.cfg.max_positions - 1]
         src = torch.tensor([src_ids + [self.tokenizer.eos_id]], device=self.device)
         tgt = torch.tensor([[self.tokenizer.bos_id] + tgt_ids], device=self.device)  # row i predicts token i

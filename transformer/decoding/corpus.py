@@ -81,15 +81,18 @@ def batch_prefix(prefixes: list[list[int]], device) -> Tensor | None:
 
 
 def encode_sources(
-    texts: list[str], tokenizer, max_tokens: int, source_name: str, first_line: int = 1
+    texts: list[str], tokenizer, max_tokens: int, source_name: str, first_line: int = 1, tag: int | None = None
 ) -> list[list[int]]:
     """Token ids of each text; a text longer than max_tokens is truncated with a warning naming its
-    line (texts[0] is line `first_line` of source_name)."""
+    line (texts[0] is line `first_line` of source_name). tag: a target-language tag id each
+    nonempty text starts with (a many-to-many model's), not counted in max_tokens."""
     ids = tokenizer.source.encode(texts)
     for i, sentence in enumerate(ids):
         if len(sentence) > max_tokens:
             log.warning("%s:%d: %d tokens, truncated to %d", source_name, first_line + i, len(sentence), max_tokens)
-            ids[i] = sentence[:max_tokens]
+            ids[i] = sentence = sentence[:max_tokens]
+        if tag is not None and sentence:
+            ids[i] = [tag, *sentence]
     return ids
 
 
@@ -104,13 +107,15 @@ def translate_texts(
     first_line=1,
     prefixes=None,
     constraints=None,
+    tag: int | None = None,
 ) -> list[list[Hypothesis]]:
     """n-best lists for each text, in input order; an empty text gets empty hypotheses. Warnings
     and errors name texts[0] line `first_line` of source_name. prefixes: None, or for each text the
     target text its translations must start with ("" for none); constraints: None, or for each
-    text the target phrases its translations must contain."""
+    text the target phrases its translations must contain. tag: the target-language tag id that
+    starts every source (a many-to-many model's), or None."""
     limit = model.cfg.max_positions - 1
-    ids = encode_sources(texts, tokenizer, limit, source_name, first_line)
+    ids = encode_sources(texts, tokenizer, limit - (tag is not None), source_name, first_line, tag)
     forced = None if prefixes is None else encode_prefixes(prefixes, tokenizer, limit, source_name, first_line)
     phrases = None if constraints is None else encode_constraints(constraints, tokenizer, cfg, limit, source_name, first_line)  # fmt: skip
     todo = [i for i, text in enumerate(texts) if text]
@@ -125,10 +130,10 @@ def translate_texts(
 
 
 def translate(
-    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input"
+    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", tag=None
 ) -> list[str]:
     """Best translation of each text, in input order; empty texts give empty translations."""
-    n_best = translate_texts(model, texts, tokenizer, cfg, device, progress, source_name)
+    n_best = translate_texts(model, texts, tokenizer, cfg, device, progress, source_name, tag=tag)
     return tokenizer.decode([hyps[0].tokens for hyps in n_best])
 
 

@@ -99,10 +99,11 @@ class Service:
         req = align_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
         translation = req.translation
         if translation is None:
-            answer = await self.decode(TranslateRequest([req.text]))
+            answer = await self.decode(TranslateRequest([req.text], target_lang=req.target_lang))
             translation = self.translator.texts(answer.n_best[0])[0]
+        self.tag(req.target_lang)
         try:
-            result = await self.batcher.call(self.translator.cross_attention, req.text, translation, req.layer)
+            result = await self.batcher.call(self.translator.cross_attention, req.text, translation, req.layer, req.target_lang)  # fmt: skip
         except ValueError as e:
             raise RequestError(422, "out_of_range", str(e)) from None
         return JSONResponse({"source": req.text, "translation": translation, **result})
@@ -113,10 +114,18 @@ class Service:
             settings = self.translator.settings(req.beam_size, req.n_best, req.length_penalty)
         except ValueError as e:  # a combination the decode settings refuse, such as n_best > beam_size
             raise RequestError(422, "out_of_range", str(e).replace("decode.", "")) from None
+        self.tag(req.target_lang)
         try:
-            return await self.batcher.translate(self.translator.encode(req.texts), settings)
+            return await self.batcher.translate(self.translator.encode(req.texts, req.target_lang), settings)
         except QueueFull as e:
             raise RequestError(429, "queue_full", str(e)) from None
+
+    def tag(self, target_lang: str | None) -> None:
+        """A target_lang the model cannot translate into (or a many-to-many model's missing one) is a 422."""
+        try:
+            self.translator.target_tag(target_lang)
+        except ConfigError as e:
+            raise RequestError(422, "target_lang", str(e).replace("tgt_lang=", "target_lang=")) from None
 
     async def health(self) -> JSONResponse:
         """Readiness: 200 once the model has decoded a sentence; 503 before ("loading") and when it
@@ -128,6 +137,7 @@ class Service:
             "model_loaded": self.model_loaded,
             "device": str(t.device),
             "language_pair": t.language_pair,
+            "target_languages": t.target_languages,
             "decoder_layers": t.n_layers,
             "queue": len(self.batcher),
             "precision": t.decode.precision,

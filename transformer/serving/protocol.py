@@ -27,6 +27,7 @@ class TranslateRequest:
     n_best: Optional[int] = None
     length_penalty: Optional[float] = None
     scores: bool = False
+    target_lang: Optional[str] = None  # a many-to-many model's target language
 
 
 @dataclass
@@ -34,6 +35,7 @@ class AlignRequest:
     text: str
     translation: Optional[str] = None
     layer: int = -1
+    target_lang: Optional[str] = None
 
 
 def read_json(body: bytes, limits: ServeLimits) -> dict:
@@ -58,7 +60,7 @@ def read_json(body: bytes, limits: ServeLimits) -> dict:
 
 
 def translate_request(obj: dict, limits: ServeLimits) -> TranslateRequest:
-    check_fields(obj, ("text", "beam_size", "n_best", "length_penalty", "scores"))
+    check_fields(obj, ("text", "beam_size", "n_best", "length_penalty", "scores", "target_lang"))
     texts = sentences(obj, limits)
     beam_size = integer(obj, "beam_size", 1, limits.max_beam_size)
     n_best = integer(obj, "n_best", 1, beam_size or limits.max_beam_size)
@@ -70,11 +72,12 @@ def translate_request(obj: dict, limits: ServeLimits) -> TranslateRequest:
     scores = obj.get("scores", False)
     if not isinstance(scores, bool):
         raise RequestError(422, "wrong_type", f"scores must be true or false, not {kind(scores)}")
-    return TranslateRequest(texts, beam_size, n_best, None if penalty is None else float(penalty), scores)
+    penalty = None if penalty is None else float(penalty)
+    return TranslateRequest(texts, beam_size, n_best, penalty, scores, language(obj, "target_lang"))
 
 
 def align_request(obj: dict, limits: ServeLimits) -> AlignRequest:
-    check_fields(obj, ("text", "translation", "layer"))
+    check_fields(obj, ("text", "translation", "layer", "target_lang"))
     text = sentences(obj, limits)
     if len(text) != 1:
         raise RequestError(422, "wrong_type", "text must be one sentence (a string) to align")
@@ -84,7 +87,15 @@ def align_request(obj: dict, limits: ServeLimits) -> AlignRequest:
     layer = obj.get("layer", -1)
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise RequestError(422, "wrong_type", f"layer must be an integer, not {kind(layer)}")
-    return AlignRequest(text[0], translation, layer)
+    return AlignRequest(text[0], translation, layer, language(obj, "target_lang"))
+
+
+def language(obj: dict, key: str) -> str | None:
+    """A language code field (whether the model translates into it is the service's to check)."""
+    value = obj.get(key)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise RequestError(422, "wrong_type", f"{key} must be a language code such as \"en\", not {kind(value)}")
+    return None if value is None else value.strip()
 
 
 def check_fields(obj: dict, known: tuple[str, ...]) -> None:

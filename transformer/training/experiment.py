@@ -18,19 +18,29 @@ import torch
 
 from .. import checkpoint
 from ..batching import TokenizedCorpus, filter_long, tokenize, tokenize_mapped
-from ..data import clean_training_pairs, corpus_file, load_split, primary_rows, training_text, write_lines
+from ..data import (
+    clean_training_pairs,
+    corpus_file,
+    language_text,
+    load_split,
+    primary_rows,
+    resample,
+    training_text,
+    write_lines,
+)
 from ..devices import autocast_dtype, pick_device
 from ..errors import USER_ERRORS, CheckpointError, DataError
 from ..evaluation import score
 from ..fast import accelerate
 from ..files import write_texts
 from ..model import Transformer, count_parameters
-from ..tokenizer import Tokenizer
+from ..tokenizer import Tokenizer, tag_piece
 from ..translator import Translator
 from . import distributed, finetune
 from .checkpoints import to_plain
 from .resume import check_compatible, clear_run, make_deterministic, remove_unfinished, resume_path
 from .trainer import Trainer
+from .validation import split_scores
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,12 @@ def train_tokenizer(cfg, train_ds) -> Tokenizer:
     """The joint SentencePiece model of both sides of the training split, or with
     data.joint_vocab=false one model per side; a resumed run takes them from its checkpoint instead."""
     started = time.monotonic()
+    if cfg.data.multilingual:  # every language once, at data.temperature; a tag per target language
+        text = language_text(train_ds, cfg.data.temperature, cfg.seed)
+        tags = [tag_piece(lang) for lang in dict.fromkeys(t for _, t in cfg.data.pairs)]
+        tokenizer = Tokenizer.train(text, cfg.data.vocab_size, cfg.data.spm_model_type, symbols=tags)
+        log.info("trained a %d-piece %s tokenizer on %d sentences of %s, with tags %s in %.1fs", len(tokenizer), cfg.data.spm_model_type, len(text), ", ".join(cfg.data.languages), " ".join(tags), time.monotonic() - started)  # fmt: skip
+        return tokenizer
     sides = [("src", "tgt")] if cfg.data.joint_vocab else [("tgt",), ("src",)]
     models = []
     targets_once = primary_rows(train_ds, cfg.data.src_lang)  # data.extra_src_langs repeats the targets
@@ -82,22 +98,42 @@ def prepare_data(cfg, tokenizer: Tokenizer | None) -> tuple[Tokenizer, Tokenized
     test splits are checked to exist, so that a missing one fails now, not after training."""
     train_ds = clean_training_pairs(load_split(cfg.data, cfg.data.train_split), cfg.data.train_split)
     valid_ds = load_split(cfg.data, cfg.data.valid_split)
-    if not cfg.data.hub_name:
+    if not cfg.data.hub_name and not cfg.data.multilingual:  # a many-to-many run tests the directions a split has
         for split in cfg.data.test_splits:
             for lang in (cfg.data.src_lang, cfg.data.tgt_lang):
                 corpus_file(Path(cfg.data.dir), split, lang)
     if tokenizer is None:
         tokenizer = train_tokenizer(cfg, train_ds)
-    tokenized = tokenize_mapped(train_ds, tokenizer) if cfg.data.streaming else tokenize(train_ds, tokenizer)
+    check_tags(cfg, tokenizer)
+    if cfg.data.multilingual:
+        train_ds = resample(train_ds, cfg.data.temperature, cfg.seed)
+    if cfg.data.streaming:
+        tokenized = tokenize_mapped(train_ds, tokenizer)
+    else:
+        tokenized = tokenize(train_ds, tokenizer, cfg.data.tgt_lang)
     train = filter_long(tokenized, cfg.data.max_len)
     if len(train) == 0:
         raise DataError(
             f"no training pairs left: all {len(tokenized)} pairs of split {cfg.data.train_split!r} have a side "
             f"longer than data.max_len={cfg.data.max_len} tokens"
         )
-    sources = ", ".join([cfg.data.src_lang, *cfg.data.extra_src_langs])
-    log.info("%d training pairs (%s -> %s), %d validation pairs", len(train), sources, cfg.data.tgt_lang, len(valid_ds))
-    return tokenizer, train, tokenize(valid_ds, tokenizer)
+    if cfg.data.multilingual:
+        counts = ", ".join(f"{name} {len(rows)}" for name, rows in train.directions().items())
+        log.info("%d training pairs in %d directions (%s), %d validation pairs", len(train), len(cfg.data.pairs), counts, len(valid_ds))  # fmt: skip
+    else:
+        sources = ", ".join([cfg.data.src_lang, *cfg.data.extra_src_langs])
+        log.info("%d training pairs (%s -> %s), %d validation pairs", len(train), sources, cfg.data.tgt_lang, len(valid_ds))  # fmt: skip
+    return tokenizer, train, tokenize(valid_ds, tokenizer, cfg.data.tgt_lang)
+
+
+def check_tags(cfg, tokenizer: Tokenizer) -> None:
+    """A many-to-many run needs a tokenizer (its own, or a fine-tuned checkpoint's) with a tag for
+    every target language; a tokenizer with tags tags every source, a bilingual run's too."""
+    targets = [t for _, t in cfg.data.pairs]
+    missing = sorted({t for t in targets if t not in tokenizer.target_tags})
+    if missing and (cfg.data.multilingual or tokenizer.target_tags):
+        has = ", ".join(sorted(tokenizer.target_tags)) or "none"
+        raise DataError(f"the tokenizer has no target tag for {', '.join(missing)} (its tags: {has}); a checkpoint given as init_from brings its own tokenizer")  # fmt: skip
 
 
 def checkpoint_to_resume(cfg, run_dir: Path) -> dict | None:
@@ -120,29 +156,55 @@ def hypotheses_path(run_dir: Path, split: str, label: str, lang: str) -> Path:
     return run_dir / f"{split}.{label}.{lang}"
 
 
+def test_sets(cfg, split: str, tokenizer: Tokenizer) -> list[tuple[str, TokenizedCorpus]]:
+    """(direction, its pairs) for each direction of `split` to test: the run's one direction, or
+    for a many-to-many run each direction whose files the split has (test_2017_flickr has no cs)."""
+    if not cfg.data.multilingual:
+        return [(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", tokenize(load_split(cfg.data, split), tokenizer, cfg.data.tgt_lang))]  # fmt: skip
+    pairs = cfg.data.pairs
+    if not cfg.data.hub_name:
+        have = lambda lang: any(Path(cfg.data.dir, f"{split}.{lang}{gz}").is_file() for gz in ("", ".gz"))  # noqa: E731
+        skipped = [f"{s}-{t}" for s, t in pairs if not (have(s) and have(t))]
+        if skipped:
+            log.info("%s has no %s: not tested", split, ", ".join(skipped))
+        pairs = [(s, t) for s, t in pairs if have(s) and have(t)]
+    if not pairs:
+        return []
+    corpus = tokenize(load_split(cfg.data, split, pairs), tokenizer)
+    return [(name, corpus.subset(rows)) for name, rows in corpus.directions().items()]
+
+
 def evaluate_tests(cfg, run_dir: Path, translator: Translator, tag: str = "") -> dict[str, dict]:
     """Decode each test split greedily and with the configured strategy; write the hypotheses
-    next to the checkpoints as {split}.{tag}{strategy}.{tgt_lang}; report BLEU and chrF."""
+    next to the checkpoints as {split}.{tag}{strategy}.{tgt_lang} ({direction} instead of
+    {tgt_lang} for a many-to-many run, which also reports the mean over directions); report BLEU
+    and chrF."""
     strategies = [cfg.decode.greedy()]
     if cfg.decode.strategy != "greedy":
         strategies.append(cfg.decode)
     results = {}
     for split in cfg.data.test_splits:
-        corpus = tokenize(load_split(cfg.data, split), translator.tokenizer)
+        sets = test_sets(cfg, split, translator.tokenizer)
         for decode_cfg in strategies:
             label = tag + decode_cfg.label
-            hyps = translator.translate_corpus(corpus, decode_cfg)
-            write_lines(hypotheses_path(run_dir, split, label, cfg.data.tgt_lang), hyps)
-            scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
-            report(
-                scores.summary(f"{split} {cfg.data.src_lang}-{cfg.data.tgt_lang} {label}")
-                + f" | lowercased BLEU {lowercased.bleu:.2f}"
-            )
-            results[f"{split}/{decode_cfg.label}"] = dataclasses.asdict(scores) | {
-                "bleu_lc": lowercased.bleu,
-                "bleu_lc_signature": lowercased.bleu_signature,
-            }
-        if split == cfg.data.test_splits[0]:
+            bleus = []
+            for name, corpus in sets:
+                hyps = translator.translate_corpus(corpus, decode_cfg)
+                suffix = name if cfg.data.multilingual else cfg.data.tgt_lang
+                write_lines(hypotheses_path(run_dir, split, label, suffix), hyps)
+                scores, lowercased = score(hyps, corpus.tgt_text), score(hyps, corpus.tgt_text, lowercase=True)
+                report(scores.summary(f"{split} {name} {label}") + f" | lowercased BLEU {lowercased.bleu:.2f}")
+                key = f"{split}/{name}/{decode_cfg.label}" if cfg.data.multilingual else f"{split}/{decode_cfg.label}"
+                results[key] = dataclasses.asdict(scores) | {
+                    "bleu_lc": lowercased.bleu,
+                    "bleu_lc_signature": lowercased.bleu_signature,
+                }
+                bleus.append(scores.bleu)
+            if cfg.data.multilingual and bleus:
+                report(f"{split} mean of {len(bleus)} directions {label}: BLEU {sum(bleus) / len(bleus):.2f}")
+                results[f"{split}/mean/{decode_cfg.label}"] = {"bleu": sum(bleus) / len(bleus), "directions": len(bleus)}
+        if split == cfg.data.test_splits[0] and sets:
+            corpus = sets[-1][1]  # the set hyps belong to
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:
                 report(f"  source:      {src}\n  reference:   {ref}\n  translation: {hyp}")
     return results
@@ -163,7 +225,7 @@ def evaluate_average(
     model.load_state_dict(averaged["model"])
     translator = Translator.of_training(model, tokenizer, cfg.decode)
     hyps = translator.translate_corpus(valid, cfg.decode.greedy())
-    valid_bleu = score(hyps, valid.tgt_text).bleu
+    valid_bleu = split_scores(hyps, valid)[0]
     report(
         f"averaged the checkpoints of steps {', '.join(str(checkpoint.step_of(p)) for p in paths)} into "
         f"checkpoint_{name}.pt: validation BLEU {valid_bleu:.2f} (greedy)"

@@ -186,13 +186,15 @@ class Trainer:
         message = f"validation step {self.state.step}: loss {loss:.3f} ppl {math.exp(min(loss, 50)):.2f}"
         if bleu is not None:
             message += f" BLEU {bleu:.2f} chrF {result.chrf:.2f}"
+            if result.directions:
+                message += " (mean of " + ", ".join(f"{name} {value:.2f}" for name, value in result.directions.items()) + ")"
             valid = self.valid_data
             self.monitor.samples(self.state.step, list(zip(valid.src_text[:3], valid.tgt_text[:3], result.hyps[:3])))
             if self.tcfg.attention_images:
                 figures = attention_figures(self.model, self.tokenizer, valid.src[0], result.hyp_ids[0])
                 self.monitor.attention(self.state.step, figures)
         log.info(message)
-        self.monitor.valid(self.state.step, loss, bleu, result.chrf, self.state.train_seconds / 60)
+        self.monitor.valid(self.state.step, loss, bleu, result.chrf, self.state.train_seconds / 60, result.directions)
         return bleu if bleu is not None else -loss
 
     # ---- resuming

@@ -22,6 +22,21 @@ class Validation:
     chrf: float | None = None
     hyp_ids: list[list[int]] = field(default_factory=list)  # greedy translations, token ids
     hyps: list[str] = field(default_factory=list)  # and detokenized
+    directions: dict[str, float] = field(default_factory=dict)  # a many-to-many split: each direction's BLEU
+
+
+def split_scores(hyps: list[str], data: TokenizedCorpus) -> tuple[float, float, dict[str, float]]:
+    """(BLEU, chrF, {direction: BLEU}) of translations of `data`: for a split of several
+    directions, the unweighted means of the directions' corpus scores (each direction counts
+    the same, however many sentences it has) and each one's BLEU; else the corpus scores and {}."""
+    groups = data.directions()
+    if len(groups) == 1 and data.direction is None:
+        scores = score(hyps, data.tgt_text)
+        return scores.bleu, scores.chrf, {}
+    each = {name: score([hyps[i] for i in rows], [data.tgt_text[i] for i in rows]) for name, rows in groups.items()}
+    bleu = sum(s.bleu for s in each.values()) / len(each)
+    chrf = sum(s.chrf for s in each.values()) / len(each)
+    return bleu, chrf, {name: s.bleu for name, s in each.items()}
 
 
 @torch.no_grad()
@@ -41,14 +56,14 @@ def validation_loss(model, data: TokenizedCorpus, tokenizer, max_tokens: int, de
 def validate(
     model, data: TokenizedCorpus, tokenizer, decode: DecodeConfig, max_tokens: int, device, amp_dtype, bleu: bool
 ) -> Validation:
-    """The loss and, with bleu=True, greedy translations scored against the references.
-    Greedy rather than the configured strategy: it is fast, and ranks checkpoints well enough."""
+    """The loss and, with bleu=True, greedy translations scored against the references (for a
+    many-to-many run, the mean over its directions, which selects its best checkpoint). Greedy
+    rather than the configured strategy: it is fast, and ranks checkpoints well enough."""
     result = Validation(validation_loss(model, data, tokenizer, max_tokens, device, amp_dtype))
     if bleu:
         with progress_bar(len(data), "validate") as bar:
             n_best = Translator.of_training(model, tokenizer, decode.greedy()).translate_ids(data.src, progress=bar)
         result.hyp_ids = [hyps[0].tokens for hyps in n_best]
         result.hyps = tokenizer.decode(result.hyp_ids)
-        scores = score(result.hyps, data.tgt_text)
-        result.bleu, result.chrf = scores.bleu, scores.chrf
+        result.bleu, result.chrf, result.directions = split_scores(result.hyps, data)
     return result

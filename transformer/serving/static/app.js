@@ -1,10 +1,14 @@
 // The translation page: POST /v1/translate with the lines of the text box, list the translations
 // and their alternatives, and draw the cross-attention of the chosen one (POST /v1/align) as a table
-// whose cells are shaded by weight. Plain JavaScript, no build step.
+// whose cells are shaded by weight. A many-to-many model (/health lists its target_languages) gets a
+// choice of the language to translate into. Plain JavaScript, no build step.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 let chosen = null; // {source, translation, element}: the sentence pair the heatmap shows
+
+// The target language field of a request: the chosen one for a many-to-many model, none otherwise.
+const target = () => ($("target").hidden ? {} : { target_lang: $("target_lang").value });
 
 async function post(path, body) {
   const response = await fetch(path, {
@@ -29,7 +33,7 @@ async function translate() {
   $("translate").disabled = true;
   status("Translating…");
   try {
-    const answer = await post("/v1/translate", { text: lines, beam_size: beam, n_best: nbest });
+    const answer = await post("/v1/translate", { text: lines, beam_size: beam, n_best: nbest, ...target() });
     showTranslations(lines, answer);
     status(`${lines.length} sentence(s) in ${Math.round(answer.timing.total_ms)} ms`);
     $("translations").querySelector(".choice").click();
@@ -78,7 +82,7 @@ async function align(source, translation, element) {
   element.classList.add("selected");
   try {
     const layer = Number($("layer").value || -1);
-    drawHeatmap(await post("/v1/align", { text: source, translation, layer }));
+    drawHeatmap(await post("/v1/align", { text: source, translation, layer, ...target() }));
   } catch (error) {
     status(error.message, true);
   }
@@ -112,7 +116,11 @@ function drawHeatmap(answer) {
 
 async function start() {
   const health = await (await fetch("/health")).json();
-  $("model").textContent = `${health.language_pair || "model"} on ${health.device}`;
+  const languages = health.target_languages || [];
+  const name = health.language_pair || (languages.length ? `into ${languages.join(", ")}` : "model");
+  $("model").textContent = `${name} on ${health.device}`;
+  for (const lang of languages) $("target_lang").add(new Option(lang, lang));
+  $("target").hidden = languages.length === 0;
   $("beam").max = $("nbest").max = health.limits.max_beam_size;
   for (let i = 0; i < health.decoder_layers; i++) $("layer").add(new Option(`${i + 1} of ${health.decoder_layers}`, i));
   $("layer").value = String(health.decoder_layers - 1);
