@@ -92,7 +92,9 @@ def evaluate_directions(cfg: EvaluateConfig, translator: Translator) -> None:
     have = [lang for lang in langs if any((directory / f"{cfg.split}.{lang}{gz}").is_file() for gz in ("", ".gz"))]
     rows = []
     for src, tgt in ((s, t) for s in have for t in have if s != t and t in translator.target_languages):
-        sources, references = read_parallel(corpus_file(directory, cfg.split, src), corpus_file(directory, cfg.split, tgt))
+        sources, references = read_parallel(
+            corpus_file(directory, cfg.split, src), corpus_file(directory, cfg.split, tgt)
+        )
         with progress_bar(len(sources), f"{src}-{tgt}") as bar:
             hyps = translator.translate(sources, progress=bar, source_name=f"{cfg.split}.{src}", tgt_lang=tgt)
         write_lines(Path(cfg.checkpoint).with_suffix(f".{cfg.split}.{cfg.decode.label}.{src}-{tgt}.hyp"), hyps)

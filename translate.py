@@ -76,7 +76,9 @@ class TranslateConfig:
         if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
             raise ValueError(f"pivot={self.pivot} needs tgt_lang= naming another language to translate into")
         if self.pivot is not None and self.decode.alignment:
-            raise ValueError("decode.alignment=true aligns a translation with its source: it cannot be used with pivot=")
+            raise ValueError(
+                "decode.alignment=true aligns a translation with its source: it cannot be used with pivot="
+            )
 
 
 def input_chunks(cfg: TranslateConfig) -> Iterator[list[str]]:
@@ -137,7 +139,10 @@ def main(argv: list[str]) -> None:
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
         translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
-        for lang in (cfg.tgt_lang, *([cfg.pivot] if cfg.pivot else [])):  # a bad language fails before any input is read
+        for lang in (
+            cfg.tgt_lang,
+            *([cfg.pivot] if cfg.pivot else []),
+        ):  # a bad language fails before any input is read
             translator.target_tag(lang)
         warn_if_target_language(cfg.input, translator)
         name, count = cfg.input or "stdin", 0

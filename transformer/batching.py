@@ -46,7 +46,9 @@ class TokenizedCorpus:
 
     def subset(self, indices) -> TokenizedCorpus:
         pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
-        return TokenizedCorpus(pick(self.src), pick(self.tgt), pick(self.src_text), pick(self.tgt_text), pick(self.direction))
+        return TokenizedCorpus(
+            pick(self.src), pick(self.tgt), pick(self.src_text), pick(self.tgt_text), pick(self.direction)
+        )
 
     def __len__(self) -> int:
         return len(self.src)

@@ -256,7 +256,6 @@ def direction_sizes(counts: dict[str, int], temperature: float) -> dict[str, int
 def resample(ds: datasets.Dataset, temperature: float, seed: int) -> datasets.Dataset:
     """A multilingual training split with each direction's pairs repeated or thinned to its
     temperature-sampled size (direction_sizes): whole copies, then a seeded random draw of the rest."""
-    datasets = _datasets()
     names = [f"{s}-{t}" for s, t in zip(ds["src_lang"], ds["tgt_lang"])]
     rows: dict[str, list[int]] = {}
     for i, name in enumerate(names):
@@ -277,7 +276,10 @@ def load_pairs(cfg: DataConfig, split: str, src_lang: str, tgt_lang: str | None 
     """The pairs src_lang -> tgt_lang (default cfg.tgt_lang) of one split of the local corpus."""
     datasets = _datasets()
     directory = Path(cfg.dir)
-    src_path, tgt_path = corpus_file(directory, split, src_lang), corpus_file(directory, split, tgt_lang or cfg.tgt_lang)
+    src_path, tgt_path = (
+        corpus_file(directory, split, src_lang),
+        corpus_file(directory, split, tgt_lang or cfg.tgt_lang),
+    )
     if cfg.streaming and split == cfg.train_split:
         return load_mapped(src_path, tgt_path)
     src, tgt = read_parallel(src_path, tgt_path)

@@ -40,7 +40,9 @@ class Translator:
         self.payload = payload or {}
         self.pair = language_pair(self.payload.get("train_config"))
         self.language_pair = direction(self.pair) if self.pair else None  # e.g. "de->en"; None for a model without one
-        self.directions = directions_of(self.payload.get("train_config"))  # a many-to-many model's, e.g. ["de-en", "en-fr"]
+        self.directions = directions_of(
+            self.payload.get("train_config")
+        )  # a many-to-many model's, e.g. ["de-en", "en-fr"]
         self.lock = threading.Lock()
 
     @classmethod
@@ -102,7 +104,9 @@ class Translator:
         if tgt_lang is None:
             tgt_lang = self.pair[1] if self.pair is not None else next(iter(tags)) if len(tags) == 1 else None
         if tgt_lang is None:
-            raise ConfigError(f"this model translates into {', '.join(self.target_languages)}: choose one with tgt_lang=")
+            raise ConfigError(
+                f"this model translates into {', '.join(self.target_languages)}: choose one with tgt_lang="
+            )
         if tgt_lang not in tags:
             raise ConfigError(f"tgt_lang={tgt_lang}: this model translates into {', '.join(self.target_languages)}")
         return tags[tgt_lang]

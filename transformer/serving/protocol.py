@@ -94,7 +94,7 @@ def language(obj: dict, key: str) -> str | None:
     """A language code field (whether the model translates into it is the service's to check)."""
     value = obj.get(key)
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise RequestError(422, "wrong_type", f"{key} must be a language code such as \"en\", not {kind(value)}")
+        raise RequestError(422, "wrong_type", f'{key} must be a language code such as "en", not {kind(value)}')
     return None if value is None else value.strip()
 
 

@@ -202,7 +202,10 @@ def evaluate_tests(cfg, run_dir: Path, translator: Translator, tag: str = "") ->
                 bleus.append(scores.bleu)
             if cfg.data.multilingual and bleus:
                 report(f"{split} mean of {len(bleus)} directions {label}: BLEU {sum(bleus) / len(bleus):.2f}")
-                results[f"{split}/mean/{decode_cfg.label}"] = {"bleu": sum(bleus) / len(bleus), "directions": len(bleus)}
+                results[f"{split}/mean/{decode_cfg.label}"] = {
+                    "bleu": sum(bleus) / len(bleus),
+                    "directions": len(bleus),
+                }
         if split == cfg.data.test_splits[0] and sets:
             corpus = sets[-1][1]  # the set hyps belong to
             for src, ref, hyp in list(zip(corpus.src_text, corpus.tgt_text, hyps))[:3]:

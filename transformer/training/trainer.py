@@ -187,7 +187,9 @@ class Trainer:
         if bleu is not None:
             message += f" BLEU {bleu:.2f} chrF {result.chrf:.2f}"
             if result.directions:
-                message += " (mean of " + ", ".join(f"{name} {value:.2f}" for name, value in result.directions.items()) + ")"
+                message += (
+                    " (mean of " + ", ".join(f"{name} {value:.2f}" for name, value in result.directions.items()) + ")"
+                )
             valid = self.valid_data
             self.monitor.samples(self.state.step, list(zip(valid.src_text[:3], valid.tgt_text[:3], result.hyps[:3])))
             if self.tcfg.attention_images:
