@@ -13,7 +13,9 @@ Arguments (key=value):
 
 The checkpoint loads like any other: translate.py, evaluate.py, serve.py, scripts/export_ctranslate2.py
 and train.py init_from=. Its tokenizer keeps Marian's two SentencePiece models and shared vocabulary.
-What our model cannot compute exactly (separate vocabularies, multilingual target tokens, pre-norm,
+A multilingual model (target tokens such as >>fra<< in vocab.json) becomes a many-to-many checkpoint:
+translate.py tgt_lang=fra puts the token in front of each source, as Marian's tokenizer does.
+What our model cannot compute exactly (separate vocabularies, pre-norm,
 unscaled embeddings, ...) is refused with one line naming the key. docs/FINETUNING.md has the details.
 """
 
@@ -43,9 +45,14 @@ class ImportConfig:
 
 def train_config(model_cfg, tokenizer, source: dict, src_lang: str, tgt_lang: str) -> dict:
     """The config a training run of this model would have had: ours by default, with the model,
-    the language pair and the vocabulary of the import, so that scripts reading it find them."""
+    the language pair and the vocabulary of the import, so that scripts reading it find them. A
+    multilingual model's target tokens (>>fra<<) make it a many-to-many one: a direction from
+    src_lang into each of them (its sources start with one, as translate.py tgt_lang=fra adds)."""
     cfg = Config(model=model_cfg)
-    cfg.data = replace(cfg.data, src_lang=src_lang, tgt_lang=tgt_lang, vocab_size=len(tokenizer), joint_vocab=True)
+    targets = [lang for lang in sorted(tokenizer.target_tags) if lang != src_lang]
+    tgt_lang = tgt_lang or targets[0]
+    directions = [f"{src_lang}-{lang}" for lang in targets]
+    cfg.data = replace(cfg.data, src_lang=src_lang, tgt_lang=tgt_lang, vocab_size=len(tokenizer), joint_vocab=True, directions=directions)  # fmt: skip
     return asdict(cfg) | {"imported_from": source}
 
 
@@ -55,15 +62,16 @@ def main(argv: list[str]) -> None:
         output = check_output(cfg.output)
         model, tokenizer, source = read_marian(Path(cfg.path))
         src_lang, tgt_lang = cfg.src_lang or source["source_lang"], cfg.tgt_lang or source["target_lang"]
-        for key, lang in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
+        tags = tokenizer.target_tags
+        for key, lang in (("src_lang", src_lang), ("tgt_lang", tgt_lang or tags)):
             if not lang:
                 raise ConfigError(f"{cfg.path} does not say its languages: give {key}=...")
-        config = train_config(model.cfg, tokenizer, source, src_lang, tgt_lang)
+        config = train_config(model.cfg, tokenizer, source, src_lang, None if tags else tgt_lang)
         checkpoint.save(output, model, tokenizer, config, step=0, imported_from=source)
-        print(
-            f"imported {cfg.path} ({src_lang}->{tgt_lang}, {count_parameters(model):,} parameters, "
-            f"{len(tokenizer)} pieces) into {output}"
+        languages = (
+            f"{src_lang}->{','.join(sorted(tags))} by target tokens >>xxx<<" if tags else f"{src_lang}->{tgt_lang}"
         )
+        print(f"imported {cfg.path} ({languages}, {count_parameters(model):,} parameters, {len(tokenizer)} pieces) into {output}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def test_an_extra_source_language_must_be_new(extra):
 def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_path, monkeypatch, streaming):
     """The targets repeat once per source language in the training split; the joint
     SentencePiece model must not weigh the target language by that count."""
-    from omegaconf import OmegaConf
+    from types import SimpleNamespace
 
     from transformer.training import experiment
 
@@ -228,7 +228,7 @@ def test_the_tokenizer_sees_each_target_once_with_extra_source_languages(tmp_pat
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     data = DataConfig(dir=str(tmp_path), src_lang="en", tgt_lang="de", extra_src_langs=["fr"], streaming=streaming)
     with pytest.raises(ZeroDivisionError):  # stop once the text is handed over
-        experiment.train_tokenizer(OmegaConf.create({"data": data.__dict__}), load_split(data, "train"))
+        experiment.train_tokenizer(SimpleNamespace(data=data), load_split(data, "train"))
     assert sorted(seen[0]) == sorted(lines["en"] + lines["fr"] + lines["de"])
 
 

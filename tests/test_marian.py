@@ -60,17 +60,20 @@ def marian_vocab(*models: bytes) -> dict[str, int]:
     return {piece: i for i, piece in enumerate(pieces)}
 
 
-def make_marian_dir(directory, seed: int = 0, steps: int = 300, **config):
+def make_marian_dir(directory, seed: int = 0, steps: int = 300, tags: tuple[str, ...] = (), **config):
     """A small MarianMTModel with a Marian tokenizer, saved as `save_pretrained` saves OPUS-MT:
     randomly initialized, its logits bias random too, then trained for `steps` steps on Multi30k
     by Hugging Face's own loss, so that its searches end with EOS at varied lengths (a random
-    model's end at once or run to the length limit)."""
+    model's end at once or run to the length limit). tags: target-language tokens (">>fra<<") in
+    the vocabulary, as a multilingual OPUS-MT model has; the training sources start with them in turn."""
     directory.mkdir(parents=True, exist_ok=True)
     de, en = multi30k("train", "de", 4000), multi30k("train", "en", 4000)
     source, target = train_spm(de, 600), train_spm(en, 500)
     (directory / "source.spm").write_bytes(source)
     (directory / "target.spm").write_bytes(target)
     vocab = marian_vocab(source, target)
+    vocab = {piece: i for i, piece in enumerate([*list(vocab)[:2], *tags, *list(vocab)[2:]])}  # Marian's: after <unk>
+    de = [f"{tags[i % len(tags)]} {text}" if tags else text for i, text in enumerate(de)]
     (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
     tokenizer = transformers.MarianTokenizer(
         str(directory / "source.spm"), str(directory / "target.spm"), str(directory / "vocab.json"),
@@ -104,6 +107,17 @@ def train_briefly(model, tokenizer, de: list[str], en: list[str], steps: int, ba
         model(**inputs).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+MULTI_TAGS = (">>fra<<", ">>deu<<", ">>spa<<")
+
+
+@pytest.fixture(scope="module")
+def marian_multi(tmp_path_factory):
+    """A multilingual one: target tokens >>fra<< >>deu<< >>spa<< in its vocabulary."""
+    directory = tmp_path_factory.mktemp("marian") / "opus-mt-tiny-multi"
+    hf_model, hf_tokenizer = make_marian_dir(directory, seed=1, steps=150, tags=MULTI_TAGS)
+    return directory, hf_model, hf_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +271,6 @@ REFUSALS = {
     "not marian": (edit_config(model_type="bart"), "model_type"),
     "no weights": (lambda p: (p / "model.safetensors").unlink(), "has no weights"),
     "no source.spm": (lambda p: (p / "source.spm").unlink(), "source.spm does not exist"),
-    "language tokens": (
-        lambda p: (p / "vocab.json").write_text(
-            json.dumps({(">>fra<<" if i == 5 else k): i for k, i in json.loads((p / "vocab.json").read_text()).items()})
-        ),
-        ">>fra<<",
-    ),
 }
 
 
@@ -320,3 +328,31 @@ def test_an_imported_model_exports_to_ctranslate2_and_decodes_as_ours(imported, 
     cfg = DecodeConfig(strategy="greedy", max_len_a=0.0, max_len_b=MAX_NEW)
     ours = [hyps[0].tokens for hyps in our_ids(model, sources, tokenizer, cfg, "cpu")]
     assert ours == ctranslate2_ids(translator, tokenizer, sources, cfg, model.cfg.max_positions)
+
+
+def test_a_multilingual_model_imports_and_translates_into_each_language_as_hugging_face(marian_multi, tmp_path):
+    """Target tokens (>>fra<<) become tags: translate.py tgt_lang=fra gives, token for token, what
+    Hugging Face's generate gives for ">>fra<< " + the sentence, for each language; without
+    tgt_lang= it refuses, naming the languages."""
+    directory, hf_model, hf_tokenizer = marian_multi
+    output = tmp_path / "multi.pt"
+    result = run(["scripts/import_marian.py", f"path={directory}", f"output={output}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "de->deu,fra,spa" in result.stdout
+    _, tokenizer, payload = load_model(output)
+    assert tokenizer.target_tags == {tag[2:-2]: hf_tokenizer.convert_tokens_to_ids(tag) for tag in MULTI_TAGS}
+    assert payload["train_config"]["data"]["directions"] == ["de-deu", "de-fra", "de-spa"]
+    sentences = multi30k("test_2016_flickr", "de", 12)
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
+    for tag in MULTI_TAGS:
+        result = run(["translate.py", f"checkpoint={output}", f"input={tmp_path / 'in.de'}", f"tgt_lang={tag[2:-2]}",
+                      "decode.beam_size=4", "decode.length_penalty=0", "decode.max_len_a=0", f"decode.max_len_b={MAX_NEW}"])  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        batch = hf_tokenizer([f"{tag} {s}" for s in sentences], return_tensors="pt", padding=True)
+        assert (batch["input_ids"][:, 0] == tokenizer.target_tags[tag[2:-2]]).all()
+        with torch.no_grad():
+            out = hf_model.generate(**batch, num_beams=4, do_sample=False, max_new_tokens=MAX_NEW, length_penalty=0.0,
+                                    early_stopping=False, bad_words_ids=[[tokenizer.pad_id]])  # fmt: skip
+        assert result.stdout.splitlines() == hf_tokenizer.batch_decode(out, skip_special_tokens=True), tag
+    result = run(["translate.py", f"checkpoint={output}", f"input={tmp_path / 'in.de'}"])
+    assert result.returncode == 2 and "translates into deu, fra, spa: choose one with tgt_lang=" in result.stderr

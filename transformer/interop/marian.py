@@ -125,9 +125,6 @@ def read_tokenizer(directory: Path, config: dict) -> Tokenizer:
     vocab_path = directory / "vocab.json"
     mapping = read_json(vocab_path)
     pieces = pieces_by_id(mapping, vocab_path)
-    languages = [p for p in pieces if p.startswith(">>") and p.endswith("<<")]
-    if languages:
-        raise DataError(f"{vocab_path}: target-language tokens such as {languages[0]} (multilingual models) are not supported")  # fmt: skip
     ids = special_ids(config, mapping, directory / "config.json")
     spm_models = []
     for name in ("source.spm", "target.spm"):
