@@ -135,7 +135,8 @@ def average(paths: list[Path]) -> dict:
 
 
 def check_averageable(path: Path, payload: dict, last_path: Path, last: dict) -> None:
-    """Checkpoints average only with the same model config, weights and language pair."""
+    """Checkpoints average only with the same model config, weights, language pair and, for
+    many-to-many models, the same target-language tags and directions."""
     if payload["model_config"] != last["model_config"]:
         raise CheckpointError(f"{path} has another model config than {last_path}; cannot average")
     shapes = lambda p: {name: t.shape for name, t in p["model"].items()}  # noqa: E731
@@ -146,6 +147,13 @@ def check_averageable(path: Path, payload: dict, last_path: Path, last: dict) ->
         raise CheckpointError(
             f"{path} translates {direction(pair)}, but {last_path} translates {direction(last_pair)}; cannot average"
         )
+    tags, last_tags = tokenizer_of(payload, path).target_tags, tokenizer_of(last, last_path).target_tags
+    if tags != last_tags:
+        have = lambda t: ", ".join(sorted(t)) or "none"  # noqa: E731
+        raise CheckpointError(f"{path} has target-language tags {have(tags)}, but {last_path} has {have(last_tags)}; cannot average")  # fmt: skip
+    ways, last_ways = directions_of(payload.get("train_config")), directions_of(last.get("train_config"))
+    if ways != last_ways:
+        raise CheckpointError(f"{path} was trained on directions {ways}, but {last_path} on {last_ways}; cannot average")  # fmt: skip
 
 
 def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:

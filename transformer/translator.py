@@ -68,6 +68,9 @@ class Translator:
                 raise ConfigError(
                     f"ensemble checkpoint {path} translates {direction(other_pair)}, but {checkpoint} translates {direction(pair)}"
                 )
+            if other_tokenizer.target_tags != tokenizer.target_tags:
+                have = lambda t: ", ".join(sorted(t)) or "none"  # noqa: E731
+                raise ConfigError(f"ensemble checkpoint {path} has target-language tags {have(other_tokenizer.target_tags)}, but {checkpoint} has {have(tokenizer.target_tags)}")  # fmt: skip
             if not other_tokenizer.same_as(tokenizer):
                 raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
         int8 = decode.precision == "int8"
