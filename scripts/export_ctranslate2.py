@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformer.checkpoint import direction, language_pair, load_model
+from transformer.checkpoint import direction, directions_of, language_pair, load_model
 from transformer.cli import parse_args
 from transformer.errors import exit_on_user_error
 from transformer.interop.export import QUANTIZATIONS, check_exportable, check_output_dir, export, require_ctranslate2
@@ -48,7 +48,8 @@ def main(argv: list[str]) -> None:
         check_exportable(model.cfg)
         pair = language_pair(payload.get("train_config"))
         note = f"Exported from {cfg.checkpoint} (step {payload.get('step')}"
-        note += f", {direction(pair)}).\n" if pair else ").\n"
+        ways = directions_of(payload.get("train_config"))
+        note += f", {direction(pair)}).\n" if pair else f", {len(ways)} directions: {', '.join(ways)}).\n" if ways else ").\n"  # fmt: skip
         export(model, tokenizer, output, cfg.quantization, note)
         print(f"exported {cfg.checkpoint} to {output} ({cfg.quantization})")
 

@@ -232,17 +232,24 @@ def replace_dir(new: Path, output: Path) -> None:
 def usage_note(tokenizer: Tokenizer, quantization: str, note: str) -> str:
     source = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
     pad, start = tokenizer.id_to_piece(tokenizer.pad_id), tokenizer.id_to_piece(tokenizer.bos_id)
+    tags = {lang: tokenizer.source.id_to_piece(i) for lang, i in sorted(tokenizer.target_tags.items())}
+    tag = next(iter(tags.values()), "")
+    pieces = f'[["{tag}"] + p for p in src.encode(["Ein Hund rennt."], out_type=str)]' if tags else 'src.encode(["Ein Hund rennt."], out_type=str)'  # fmt: skip
+    many = f"""
+A many-to-many model: every source starts with the tag of the language to translate into, one
+source token ({", ".join(f"`{t}` {lang}" for lang, t in tags.items())}), as translate.py tgt_lang= adds it.
+""" if tags else ""  # fmt: skip
     return f"""# A CTranslate2 model exported by scripts/export_ctranslate2.py
 
 {note}Weights: {quantization}. Source pieces come from `{source}`, target pieces decode with `{TARGET_MODEL}`;
 the source's end-of-sentence token is added by CTranslate2 (add_source_eos), and decoding starts
 from `{start}`.
-
+{many}
 ```python
 import ctranslate2, sentencepiece as spm
 translator = ctranslate2.Translator("THIS_DIR", device="cpu", compute_type="default")  # or "int8"
 src, tgt = spm.SentencePieceProcessor("THIS_DIR/{source}"), spm.SentencePieceProcessor("THIS_DIR/{TARGET_MODEL}")
-pieces = src.encode(["Ein Hund rennt."], out_type=str)
+pieces = {pieces}
 results = translator.translate_batch(pieces, beam_size=5, max_decoding_length=64, min_decoding_length=0,
                                      length_penalty=0, suppress_sequences=[["{pad}"]])
 print(tgt.decode(results[0].hypotheses[0]))
