@@ -80,7 +80,7 @@ def main(argv: list[str]) -> None:
         data = data_config(cfg, translator.payload)
         output, confidence_output = output_paths(cfg, data)
         ds = load_split(data, cfg.split)
-        corpus = tokenize(ds.select(range(min(cfg.sentences, len(ds)))), tokenizer)
+        corpus = tokenize(ds.select(range(min(cfg.sentences, len(ds)))), tokenizer, data.tgt_lang)
         confidence = head_confidence(model, corpus, tokenizer)
         baseline, drops = head_importance(model, corpus, tokenizer, cfg.decode, cfg.device)
         print(f"{cfg.split}, {len(corpus)} sentences, {cfg.decode.strategy}: BLEU {baseline:.2f} with all heads")

@@ -75,7 +75,7 @@ class ConvertConfig:
 def bleu_scores(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, device) -> dict[str, float]:
     translator, scores = Translator.of_training(model, tokenizer, cfg.decode), {}
     for split in cfg.splits:
-        corpus = tokenize(load_split(train_cfg.data, split), tokenizer)
+        corpus = tokenize(load_split(train_cfg.data, split), tokenizer, train_cfg.data.tgt_lang)
         hyps = translator.translate_corpus(corpus)
         result = score(hyps, corpus.tgt_text)
         scores[split] = result.bleu

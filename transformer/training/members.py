@@ -28,12 +28,12 @@ import torch
 from ..batching import tokenize
 from ..data import clean_training_pairs, load_split, write_lines
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
-from ..evaluation import score
 from ..files import write_texts
 from ..tokenizer import Tokenizer
 from ..translator import Translator
 from .experiment import evaluate_tests, hypotheses_path, report, run_one, train_tokenizer
 from .resume import GracefulStop
+from .validation import split_scores
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,9 @@ def choose_on_validation(cfg, options: dict[str, list[Path]], valid_split) -> tu
         started = time.monotonic()
         translator = load_ensemble(paths, cfg)
         if corpus is None:  # every option holds the same members, so one tokenizer
-            corpus = tokenize(valid_split, translator.tokenizer)
+            corpus = tokenize(valid_split, translator.tokenizer, cfg.data.tgt_lang)
         translations[name] = translator.translate_corpus(corpus)
-        scores[name] = score(translations[name], corpus.tgt_text).bleu
+        scores[name] = split_scores(translations[name], corpus)[0]  # a many-to-many run's: the directions' mean
         report(
             f"ensemble {name} ({len(paths)} checkpoints): validation BLEU {scores[name]:.2f} "
             f"({cfg.decode.label}, {time.monotonic() - started:.0f}s)"
