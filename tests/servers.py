@@ -29,16 +29,18 @@ def corpus_lines(lang: str, n: int, split: str = "train") -> list[str]:
         return [next(f).strip() for _ in range(n)]
 
 
-def build_checkpoint(path: Path, seed: int = 0) -> Path:
-    """A de->en checkpoint that loads like a trained one: joint tokenizer, 2+2 layers, d_model 32."""
-    tokenizer = Tokenizer.train(corpus_lines("de", 300) + corpus_lines("en", 300), 300, "unigram")
+def build_checkpoint(path: Path, seed: int = 0, directions: tuple[str, ...] = ()) -> Path:
+    """A de->en checkpoint that loads like a trained one: joint tokenizer, 2+2 layers, d_model 32;
+    with `directions` (e.g. ("de-en", "de-fr")) a many-to-many one, a tag per target language."""
+    tags = [f"<2{name.split('-')[1]}>" for name in directions]
+    tokenizer = Tokenizer.train(corpus_lines("de", 300) + corpus_lines("en", 300), 300, "unigram", symbols=tags)
     torch.manual_seed(seed)
     cfg = ModelConfig(len(tokenizer), n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64,
                       dropout=0.0, max_positions=128)  # fmt: skip
     model = Transformer(cfg).eval()
     with torch.no_grad():
         model.embed.embed.weight.mul_(3.0)
-    train_config = {"data": {"src_lang": "de", "tgt_lang": "en"}}
+    train_config = {"data": {"src_lang": "de", "tgt_lang": "en", "directions": list(directions)}}
     checkpoint.save(path, model, tokenizer, train_config, step=1)
     return path
 

@@ -79,3 +79,29 @@ def test_type_translate_and_see_the_translation_and_its_heatmap(browser, tmp_pat
         assert all("rgba" in cell.get_attribute("style") for cell in cells)
         assert not browser.find_element(By.ID, "status").get_attribute("class")  # no error shown
         browser.save_screenshot(os.environ.get("SERVE_PAGE_SCREENSHOT") or str(tmp_path / "serve-page.png"))
+
+
+def test_a_many_to_many_model_offers_its_target_languages(browser, tmp_path):
+    """The page lists the model's target languages and sends the chosen one: without it the
+    server would answer 422, and the translation and heatmap are those of target_lang=fr."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ready
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    sentence = corpus_lines("de", 1, "val")[0]
+    model = build_checkpoint(tmp_path / "many.pt", directions=("de-en", "de-fr"))
+    with Server(f"checkpoint={model}", *QUICK) as server:
+        expected = httpx.post(server.url + "/v1/translate", json={"text": [sentence], "beam_size": 4, "target_lang": "fr"}).json()  # fmt: skip
+        browser.get(server.url + "/")
+        wait = WebDriverWait(browser, 60)
+        wait.until(ready.text_to_be_present_in_element((By.ID, "model"), "into en, fr"))
+        choice = Select(browser.find_element(By.ID, "target_lang"))
+        assert [option.text for option in choice.options] == ["en", "fr"]
+        choice.select_by_visible_text("fr")
+        browser.find_element(By.ID, "source").send_keys(sentence)
+        browser.find_element(By.ID, "translate").click()
+        best = wait.until(ready.visibility_of_element_located((By.CSS_SELECTOR, "#translations > li > .choice")))
+        assert best.text == expected["translations"][0]
+        rows = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#heatmap tbody tr"))
+        assert rows and browser.find_elements(By.CSS_SELECTOR, "#heatmap thead th")[1].text == "<2fr>"
+        assert not browser.find_element(By.ID, "status").get_attribute("class")  # no error shown
