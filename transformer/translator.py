@@ -40,9 +40,8 @@ class Translator:
         self.payload = payload or {}
         self.pair = language_pair(self.payload.get("train_config"))
         self.language_pair = direction(self.pair) if self.pair else None  # e.g. "de->en"; None for a model without one
-        self.directions = directions_of(
-            self.payload.get("train_config")
-        )  # a many-to-many model's, e.g. ["de-en", "en-fr"]
+        # A many-to-many model's directions, e.g. ["de-en", "en-fr"]; [] for another.
+        self.directions = directions_of(self.payload.get("train_config"))
         self.lock = threading.Lock()
 
     @classmethod
