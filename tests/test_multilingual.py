@@ -111,6 +111,17 @@ def test_the_tokenizer_text_holds_each_language_once(corpus):
     assert sorted(text) == sorted(sum((multi30k("train", lang, 300) for lang in ("en", "de", "fr", "cs")), []))
 
 
+def test_hub_datasets_give_each_direction(monkeypatch):
+    """data.hub_name with data.directions (no network: load_dataset is replaced by a local dataset)."""
+    import datasets
+
+    rows = [{"en": "A dog.", "fr": "Un chien.", "de": "Ein Hund."}, {"en": "Two.", "fr": "Deux.", "de": "Zwei."}]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_dict({"translation": rows}))
+    ds = load_split(DataConfig(hub_name="x/y", directions=["en-de", "de-fr"]), "train")
+    assert ds["src"][:] == ["A dog.", "Two.", "Ein Hund.", "Zwei."] and ds["tgt"][:] == ["Ein Hund.", "Zwei.", "Un chien.", "Deux."]  # fmt: skip
+    assert ds["src_lang"][:] == ["en", "en", "de", "de"] and ds["tgt_lang"][:] == ["de", "de", "fr", "fr"]
+
+
 # --- A many-to-many run ----------------------------------------------------------------------------
 
 

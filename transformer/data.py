@@ -237,7 +237,7 @@ def load_directions(cfg: DataConfig, split: str, pairs: list[tuple[str, str]]) -
     parts = []
     for src, tgt in pairs:
         if cfg.hub_name:
-            part = _load_hub_split(dataclasses.replace(cfg, tgt_lang=tgt, directions=[]), split, [src])[0]
+            part = _load_hub_split(dataclasses.replace(cfg, src_lang=src, tgt_lang=tgt, directions=[]), split, [src])[0]
         else:
             part = load_pairs(cfg, split, src, tgt)
         langs = lambda batch, s, t: {"src_lang": [s] * len(batch["src"]), "tgt_lang": [t] * len(batch["src"])}  # noqa: E731
