@@ -63,13 +63,16 @@ def main(argv: list[str]) -> None:
             return evaluate_directions(cfg, translator)
         src_path, ref_path = source_and_reference(cfg, translator.payload.get("train_config", {}))
         label = cfg.decode.label
-        default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}.hyp")
+        tgt_lang = cfg.tgt_lang or (file_language(str(ref_path)) if translator.target_languages else None)
+        direction = (
+            f".{file_language(str(src_path))}-{tgt_lang}" if translator.target_languages else ""
+        )  # one file per direction
+        default_output = Path(cfg.checkpoint).with_suffix(f".{src_path.name.split('.')[0]}.{label}{direction}.hyp")
         inputs = [cfg.checkpoint, *cfg.ensemble, src_path, ref_path, cfg.compare]
         output = check_output(cfg.output or default_output, inputs)
         sources, references = read_parallel(src_path, ref_path)
         baseline = None if cfg.compare is None else read_parallel(Path(cfg.compare), ref_path)[0]
         with progress_bar(len(sources), "evaluate") as bar:
-            tgt_lang = cfg.tgt_lang or (file_language(str(ref_path)) if translator.target_languages else None)
             hyps = translator.translate(sources, progress=bar, source_name=str(src_path), tgt_lang=tgt_lang)
         write_lines(output, hyps)
         scores = score(hyps, references, lowercase=cfg.lowercase)

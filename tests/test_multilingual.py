@@ -194,6 +194,7 @@ def test_evaluate_scores_every_direction_trained_and_zero_shot(many, corpus):
     assert "mean of 5" in kinds and "mean of 4" in kinds  # 5 trained, 4 zero-shot into de, en, fr
     one = run("evaluate.py", f"checkpoint={many / 'checkpoint_best.pt'}", "src_lang=fr", "tgt_lang=de", "decode=greedy", *SHORT)  # fmt: skip
     assert one.returncode == 0 and "test_2016_flickr.fr.gz -> test_2016_flickr.de.gz" in one.stdout
+    assert (many / "checkpoint_best.test_2016_flickr.greedy.fr-de.hyp").is_file()  # one file per direction
 
 
 @pytest.mark.e2e
