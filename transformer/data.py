@@ -246,11 +246,18 @@ def load_directions(cfg: DataConfig, split: str, pairs: list[tuple[str, str]]) -
 
 
 def direction_sizes(counts: dict[str, int], temperature: float) -> dict[str, int]:
-    """How many training pairs each direction gets, from its own count: shares proportional to
-    count ** (1 / temperature), the total kept (temperature 1 keeps every count)."""
+    """How many training pairs (or sentences) each direction (or language) gets, from its own
+    count: shares proportional to count ** (1 / temperature), the total kept (temperature 1 keeps
+    every count)."""
     total = sum(counts.values())
     weights = {name: n ** (1 / temperature) for name, n in counts.items()}
     return {name: round(total * w / sum(weights.values())) for name, w in weights.items()}
+
+
+def draw(items: list, size: int, rng: random.Random) -> list:
+    """`size` of `items`: whole copies of them all, then a random draw of the rest (in their order)."""
+    copies, rest = divmod(size, len(items))
+    return items * copies + [items[i] for i in sorted(rng.sample(range(len(items)), rest))]
 
 
 def resample(ds: datasets.Dataset, temperature: float, seed: int) -> datasets.Dataset:
@@ -266,8 +273,7 @@ def resample(ds: datasets.Dataset, temperature: float, seed: int) -> datasets.Da
     rng = random.Random(seed)
     picked = []
     for name, r in rows.items():
-        copies, rest = divmod(sizes[name], len(r))
-        picked += r * copies + sorted(rng.sample(r, rest))
+        picked += draw(r, sizes[name], rng)
         log.info("direction %s: %d training pairs drawn from %d (data.temperature)", name, sizes[name], len(r))
     return ds.select(picked)
 
@@ -310,11 +316,8 @@ def language_text(ds: datasets.Dataset, temperature: float, seed: int) -> list[s
             if first[lang] == (f"{s}-{t}", side):
                 text[lang].append(columns[side][i])
     sizes = direction_sizes({lang: len(lines) for lang, lines in text.items()}, temperature)
-    rng, out = random.Random(seed), []
-    for lang, lines in text.items():
-        copies, rest = divmod(sizes[lang], len(lines))
-        out += lines * copies + rng.sample(lines, rest)
-    return out
+    rng = random.Random(seed)
+    return [line for lang, lines in text.items() for line in draw(lines, sizes[lang], rng)]
 
 
 def load_mapped(src_path: Path, tgt_path: Path) -> datasets.Dataset:
