@@ -18,9 +18,10 @@ import torch
 
 from transformer import checkpoint
 from transformer.batching import collate, tokenize
-from transformer.data import DataConfig, direction_sizes, language_text, load_split, resample
+from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
 from transformer.errors import CheckpointError, ConfigError
+from transformer.sampling import direction_sizes, language_text, resample
 from transformer.tokenizer import Tokenizer
 from transformer.translator import Translator
 

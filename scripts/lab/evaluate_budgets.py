@@ -33,7 +33,7 @@ from transformer.config import to_config
 from transformer.devices import pick_device
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_write_text, check_output
-from transformer.training.experiment import evaluate_tests
+from transformer.training.testing import evaluate_tests
 from transformer.translator import Translator
 
 

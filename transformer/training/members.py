@@ -31,8 +31,9 @@ from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..files import write_texts
 from ..tokenizer import Tokenizer
 from ..translator import Translator
-from .experiment import evaluate_tests, hypotheses_path, report, run_one, train_tokenizer
+from .experiment import run_one, train_tokenizer
 from .resume import GracefulStop
+from .testing import evaluate_tests, hypotheses_path, report
 from .validation import split_scores
 
 log = logging.getLogger(__name__)
