@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.cli import ScoringInputs, file_language, parse_args, setup_logging, source_and_reference
-from transformer.data import corpus_file, read_parallel, write_lines
+from transformer.data import corpus_file, has_corpus_file, read_parallel, write_lines
 from transformer.decoding import DecodeConfig
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
@@ -92,7 +92,7 @@ def evaluate_directions(cfg: EvaluateConfig, translator: Translator) -> None:
     data = translator.payload["train_config"]["data"]
     directory = Path(cfg.data_dir or data.get("dir", "data/multi30k"))
     langs = list(dict.fromkeys(lang for name in translator.directions for lang in name.split("-")))
-    have = [lang for lang in langs if any((directory / f"{cfg.split}.{lang}{gz}").is_file() for gz in ("", ".gz"))]
+    have = [lang for lang in langs if has_corpus_file(directory, cfg.split, lang)]
     rows = []
     for src, tgt in ((s, t) for s in have for t in have if s != t and t in translator.target_languages):
         sources, references = read_parallel(

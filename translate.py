@@ -139,11 +139,9 @@ def main(argv: list[str]) -> None:
         inputs = [cfg.checkpoint, *cfg.ensemble, cfg.input]
         output = None if cfg.output is None else check_output(cfg.output, inputs)
         translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
-        for lang in (
-            cfg.tgt_lang,
-            *([cfg.pivot] if cfg.pivot else []),
-        ):  # a bad language fails before any input is read
-            translator.target_tag(lang)
+        translator.target_tag(cfg.tgt_lang)  # a language the model lacks fails before any input is read
+        if cfg.pivot is not None:
+            translator.target_tag(cfg.pivot)
         warn_if_target_language(cfg.input, translator)
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:

@@ -123,6 +123,22 @@ def test_hub_datasets_give_each_direction(monkeypatch):
     assert ds["src_lang"][:] == ["en", "en", "de", "de"] and ds["tgt_lang"][:] == ["de", "de", "fr", "fr"]
 
 
+def test_a_tagged_tokenizer_tags_every_source_in_memory_and_streamed():
+    """A many-to-many checkpoint's tokenizer fine-tuned on one direction (its tgt_lang), with the
+    split in memory or in memory-mapped Arrow files (data.streaming): every source gets the tag."""
+    import datasets
+
+    from transformer.batching import tokenize_mapped
+
+    de, en = multi30k("train", "de", 200), multi30k("train", "en", 200)
+    tokenizer = Tokenizer.train(de + en, 200, "unigram", symbols=["<2en>", "<2de>"])
+    ds = datasets.Dataset.from_dict({"src": de[:20], "tgt": en[:20]})
+    plain = tokenizer.encode(de[:20])
+    for corpus in (tokenize(ds, tokenizer, "en"), tokenize_mapped(ds, tokenizer, "en")):
+        sources, _ = corpus.pairs(range(20))
+        assert sources == [[tokenizer.target_tags["en"], *ids] for ids in plain]
+
+
 # --- A many-to-many run ----------------------------------------------------------------------------
 
 

@@ -80,11 +80,13 @@ class MappedCorpus:
         return rows["src_ids"], rows["tgt_ids"]
 
 
-def tokenize_mapped(ds: datasets.Dataset, tokenizer) -> MappedCorpus:
-    """Tokenize an Arrow-backed split into new Arrow files (text stripped, as read_lines does)."""
+def tokenize_mapped(ds: datasets.Dataset, tokenizer, tgt_lang: str | None = None) -> MappedCorpus:
+    """Tokenize an Arrow-backed split into new Arrow files (text stripped, as read_lines does);
+    with a tokenizer that has target tags, each source starts with `tgt_lang`'s (source_ids)."""
 
     def encode(batch):
-        src = tokenizer.source.encode([t.strip() for t in batch["src"]])
+        langs = None if tgt_lang is None else [tgt_lang] * len(batch["src"])
+        src = source_ids(tokenizer, [t.strip() for t in batch["src"]], langs)
         tgt = tokenizer.encode([t.strip() for t in batch["tgt"]])
         return {"src_ids": src, "tgt_ids": tgt, "length": [max(len(s), len(t)) + 1 for s, t in zip(src, tgt)]}
 

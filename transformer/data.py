@@ -194,6 +194,11 @@ def _is_utf8(line: bytes) -> bool:
         return False
 
 
+def has_corpus_file(directory: Path, split: str, lang: str) -> bool:
+    """Whether the split has a file in `lang` ({split}.{lang} or {split}.{lang}.gz), as corpus_file finds it."""
+    return any((Path(directory) / f"{split}.{lang}{gz}").is_file() for gz in (".gz", ""))
+
+
 def corpus_file(directory: Path, split: str, lang: str) -> Path:
     for name in (f"{split}.{lang}.gz", f"{split}.{lang}"):
         if (directory / name).is_file():

@@ -100,7 +100,7 @@ def prepare_data(cfg, tokenizer: Tokenizer | None) -> tuple[Tokenizer, Tokenized
     if cfg.data.multilingual:
         train_ds = resample(train_ds, cfg.data.temperature, cfg.seed)
     if cfg.data.streaming:
-        tokenized = tokenize_mapped(train_ds, tokenizer)
+        tokenized = tokenize_mapped(train_ds, tokenizer, cfg.data.tgt_lang)
     else:
         tokenized = tokenize(train_ds, tokenizer, cfg.data.tgt_lang)
     train = filter_long(tokenized, cfg.data.max_len)

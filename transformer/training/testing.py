@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from ..batching import TokenizedCorpus, tokenize
-from ..data import load_split, write_lines
+from ..data import has_corpus_file, load_split, write_lines
 from ..evaluation import score
 from ..tokenizer import Tokenizer
 from ..translator import Translator
@@ -34,7 +34,7 @@ def test_sets(cfg, split: str, tokenizer: Tokenizer) -> list[tuple[str, Tokenize
         return [(f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", tokenize(load_split(cfg.data, split), tokenizer, cfg.data.tgt_lang))]  # fmt: skip
     pairs = cfg.data.pairs
     if not cfg.data.hub_name:
-        have = lambda lang: any(Path(cfg.data.dir, f"{split}.{lang}{gz}").is_file() for gz in ("", ".gz"))  # noqa: E731
+        have = lambda lang: has_corpus_file(Path(cfg.data.dir), split, lang)  # noqa: E731
         skipped = [f"{s}-{t}" for s, t in pairs if not (have(s) and have(t))]
         if skipped:
             log.info("%s has no %s: not tested", split, ", ".join(skipped))
