@@ -11,6 +11,11 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     chunk_lines=2000           lines read, translated and written at a time: memory stays bounded
                                and output follows a pipe as its lines arrive
     interactive=true           translate each line as it arrives (the default when stdin is a terminal)
+    scheduler=chunks|continuous
+                               continuous: each line joins the running batch at the next decoding
+                               step as soon as it is read, and is written as soon as it and the
+                               lines before it have ended (for streams; greedy and beam search)
+    pool_mib=256               continuous: the key/value pool; lines wait when it is full
     device=auto|cpu|cuda
     runtime=fast|reference     reference: the model as written, without the speed paths
     decode=beam|greedy|sample  a decoding preset (configs/decode/); then decode.beam_size=5 etc.
@@ -32,6 +37,7 @@ Empty input lines give empty output lines; over-long lines are truncated with a 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,8 +48,8 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
-from transformer.decoding import DecodeConfig, Hypothesis, split_constraints, split_prefixes
-from transformer.errors import exit_on_user_error
+from transformer.decoding import STRATEGIES, DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
 from transformer.runtime import RuntimeConfig
@@ -63,6 +69,8 @@ class TranslateConfig:
     interactive: bool = False
     prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
     constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
+    scheduler: str = "chunks"  # or "continuous": lines join the running batch step by step (decoding/stream.py)
+    pool_mib: float = 256.0  # continuous: the key/value pool
     tgt_lang: Optional[str] = None  # a many-to-many model's target language
     pivot: Optional[str] = None  # translate into this language first, then from it into tgt_lang
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -71,6 +79,15 @@ class TranslateConfig:
     def __post_init__(self) -> None:
         if self.chunk_lines < 1:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
+        if self.scheduler not in ("chunks", "continuous"):
+            raise ValueError(f"scheduler={self.scheduler!r} is not one of ('chunks', 'continuous')")
+        if not 0 < self.pool_mib < math.inf:
+            raise ValueError(f"pool_mib={self.pool_mib} must be > 0 and finite")
+        if self.scheduler == "continuous":
+            for key in ("prefix", "constraints", "pivot", "decode.alignment"):
+                value = self.decode.alignment if key == "decode.alignment" else getattr(self, key)
+                if value:
+                    raise ValueError(f"scheduler=continuous translates plain lines: it cannot be used with {key}=")
         if self.prefix and self.constraints:
             raise ValueError("prefix=true and constraints=true read different lines: choose one")
         if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
@@ -81,13 +98,13 @@ class TranslateConfig:
             )
 
 
-def input_chunks(cfg: TranslateConfig) -> Iterator[list[str]]:
+def input_chunks(cfg: TranslateConfig, size: int | None = None) -> Iterator[list[str]]:
     """The input's lines in chunks: one line at a time when interactive (or stdin is a terminal).
     Bytes are decoded strictly: text mode would let invalid UTF-8 through as escapes."""
     terminal = cfg.input is None and sys.stdin.isatty()
     if terminal:
         log.info("type one sentence per line; Ctrl-D ends")
-    size = 1 if cfg.interactive or terminal else cfg.chunk_lines
+    size = size or (1 if cfg.interactive or terminal else cfg.chunk_lines)
     return line_chunks(None if cfg.input is None else Path(cfg.input), size)
 
 
@@ -132,6 +149,38 @@ def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[st
     return output_lines(n_best, translator.tokenizer, cfg.decode.n_best, count, alignments)
 
 
+def translate_continuous(cfg: TranslateConfig, translator: Translator, bar, name: str, write) -> int:
+    """scheduler=continuous: every input line through the step-level engine; returns the line count."""
+    from transformer.decoding.engine import Engine
+    from transformer.decoding.stream import translate_stream
+
+    settings = translator.decode
+    try:
+        engine = Engine(translator.model, translator.tokenizer, settings, translator.device, int(cfg.pool_mib * 2**20))
+    except ValueError as e:
+        raise ConfigError(f"scheduler=continuous cannot decode here: {e}; use scheduler=chunks") from None
+    longest = translator.max_source_tokens + 1
+    need, blocks = engine.most_needed(longest, settings.beam_size), engine.pool.n_blocks
+    if need > blocks:
+        raise ConfigError(
+            f"pool_mib={cfg.pool_mib:g} holds {blocks} blocks, but one sentence of {longest} tokens at "
+            f"beam size {settings.beam_size} can need {need}: raise pool_mib to {math.ceil(engine.mib(need) * 10) / 10:g} or more"
+        )  # fmt: skip
+    log.info("scheduler=continuous: a key/value pool of %d blocks (%.0f MiB)", blocks, engine.mib(blocks))
+    tag, tokenizer = translator.target_tag(cfg.tgt_lang), translator.tokenizer
+    empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[settings.strategy].hypotheses_per_sentence(settings)
+
+    def encode(text: str, index: int) -> list[int]:
+        return encode_sources([text], tokenizer, translator.max_source_tokens, name, index + 1, tag)[0]
+
+    def write_line(index: int, n_best: list[Hypothesis]) -> None:
+        write(output_lines([n_best], tokenizer, settings.n_best, index))
+        bar.update(1)
+
+    lines = (line for chunk in input_chunks(cfg, size=1) for line in chunk)
+    return translate_stream(engine, lines, encode, write_line, settings, tokenizer.eos_id, empty)
+
+
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
@@ -145,9 +194,12 @@ def main(argv: list[str]) -> None:
         warn_if_target_language(cfg.input, translator)
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:
-            for lines in input_chunks(cfg):  # each chunk's translations written before the next is read
-                write(translate_chunk(cfg, translator, lines, bar, name, count))
-                count += len(lines)
+            if cfg.scheduler == "continuous":
+                count = translate_continuous(cfg, translator, bar, name, write)
+            else:
+                for lines in input_chunks(cfg):  # each chunk's translations written before the next is read
+                    write(translate_chunk(cfg, translator, lines, bar, name, count))
+                    count += len(lines)
         if not count:
             log.warning("the input (%s) has no lines: nothing to translate", cfg.input or "stdin")
 

@@ -33,6 +33,7 @@ from common import hardware, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
+from transformer.decoding.engine import Engine, Sentence
 from transformer.devices import limit_isa
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
@@ -40,7 +41,6 @@ from transformer.files import atomic_write_text, check_output
 from transformer.interop.export import export, require_ctranslate2
 from transformer.interop.export import translate_ids as ctranslate2_ids
 from transformer.runtime import RuntimeConfig
-from transformer.serving.engine import Engine, Sentence
 from transformer.translator import Translator
 
 

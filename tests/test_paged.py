@@ -1,5 +1,5 @@
 """The paged key/value cache (fast/paged.py) and the continuous-batching engine on it
-(serving/engine.py): block tables, forks and copy-on-write; a step over sequences at different
+(decoding/engine.py): block tables, forks and copy-on-write; a step over sequences at different
 positions gives the reference model's own incremental logits; sentences that join and leave a
 running batch get translate_ids' translations, greedy and beam, for the model variants the
 engine runs; a full pool makes sentences wait; a cancelled sentence gives its blocks back."""
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from transformer.decoding import DecodeConfig
+from transformer.decoding.engine import Engine, Sentence
 from transformer.fast import accelerate
 from transformer.fast.paged import BlockPool, PagedDecoder
 from transformer.model import padding_mask
 from transformer.runtime import RuntimeConfig
-from transformer.serving.engine import Engine, Sentence
 from transformer.translator import Translator
 
 from .briefly_trained import multi30k_corpus, trained_model

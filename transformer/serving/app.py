@@ -17,13 +17,13 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from ..decoding.engine import Engine, unsupported_settings
 from ..errors import ConfigError
 from ..fast.paged import PagedDecoder
 from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
 from .config import ServeLimits
 from .continuous import ContinuousBatcher
-from .engine import Engine, unsupported_settings
 from .metrics import Metrics
 from .protocol import RequestError, TranslateRequest, align_request, read_json, translate_request
 
@@ -171,7 +171,7 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
             check_pool(engine, translator.max_source_tokens + 1, limits)
             log.info(
                 "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",
-                pool.n_blocks, pool.block_size, (pool.keys.nbytes + pool.values.nbytes) / 2**20,
+                pool.n_blocks, pool.block_size, engine.mib(pool.n_blocks),
             )  # fmt: skip
             batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
             return "continuous", batcher
@@ -185,7 +185,7 @@ def check_pool(engine: Engine, source_tokens: int, limits: ServeLimits) -> None:
     for, so that a request never fails for want of blocks (it waits for them)."""
     need, pool = engine.most_needed(source_tokens, limits.max_beam_size), engine.pool
     if need > pool.n_blocks:
-        mib = need * (pool.keys.nbytes + pool.values.nbytes) / pool.n_blocks / 2**20
+        mib = engine.mib(need)
         raise ConfigError(
             f"limits.pool_mib={limits.pool_mib:g} holds {pool.n_blocks} blocks of {pool.block_size} positions, but one "
             f"sentence of {source_tokens} tokens at limits.max_beam_size={limits.max_beam_size} can need {need}: "

@@ -1,5 +1,5 @@
 """The continuous scheduler (limits.scheduler=continuous): requests hand their sentences to the
-step-level engine (engine.py) that a worker thread runs off the event loop. A request's sentences
+step-level engine (decoding/engine.py) that a worker thread runs off the event loop. A request's sentences
 join the running batch at the next step, each leaves as soon as it ends, and the request is
 answered when its last one has. The request-level Batcher (batcher.py) offers the same methods,
 so the app takes either."""
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
+from ..decoding.engine import Engine, Sentence
 from ..decoding.strategies import STRATEGIES
 from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_calls
-from .engine import Engine, Sentence
 
 
 @dataclass

@@ -11,7 +11,7 @@ gets the translation translate.py gives it.
 Memory: a sentence is admitted only when the pool can promise it every block it could need (its
 encoder keys and values, and beam_size rows at its longest), so a full pool makes new sentences
 wait and never fails a running one. `Engine.step` is not thread-safe: one thread drives it
-(serving/continuous.py).
+(serve.py's, serving/continuous.py; translate.py's, stream.py).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from ..batching import pad
-from ..decoding import DecodeConfig, Hypothesis
-from ..decoding.beam import best_extensions, length_penalty, stay_in_place
-from ..decoding.search import argmax, max_lengths, strip_special
 from ..devices import autocast_dtype
 from ..fast.paged import BlockPool, PagedDecoder
 from ..model import padding_mask
+from .beam import best_extensions, length_penalty, stay_in_place
+from .config import DecodeConfig
+from .search import Hypothesis, argmax, max_lengths, strip_special
 
 JOIN_STEPS = 3  # the most steps a waiting sentence waits for others to join with it, while a batch runs
 JOIN_TOKENS = 256  # or until the waiting sentences hold this many source tokens
@@ -95,6 +95,10 @@ class Engine:
     def need(self, sentence: Sentence) -> int:
         """Blocks a sentence may take at most: its encoder keys and values, and every row at its longest."""
         return self.pool.blocks_for(len(sentence.ids)) + sentence.width * self.pool.blocks_for(sentence.max_len)
+
+    def mib(self, blocks: int) -> float:
+        """The memory `blocks` blocks of the pool take, in MiB."""
+        return blocks * (self.pool.keys.nbytes + self.pool.values.nbytes) / self.pool.n_blocks / 2**20
 
     def most_needed(self, source_tokens: int, beam_size: int) -> int:
         """Blocks one sentence of `source_tokens` tokens (EOS included) can need at `beam_size`."""
