@@ -159,13 +159,10 @@ def translate_continuous(cfg: TranslateConfig, translator: Translator, bar, name
         engine = Engine(translator.model, translator.tokenizer, settings, translator.device, int(cfg.pool_mib * 2**20))
     except ValueError as e:
         raise ConfigError(f"scheduler=continuous cannot decode here: {e}; use scheduler=chunks") from None
-    longest = translator.max_source_tokens + 1
-    need, blocks = engine.most_needed(longest, settings.beam_size), engine.pool.n_blocks
-    if need > blocks:
-        raise ConfigError(
-            f"pool_mib={cfg.pool_mib:g} holds {blocks} blocks, but one sentence of {longest} tokens at "
-            f"beam size {settings.beam_size} can need {need}: raise pool_mib to {math.ceil(engine.mib(need) * 10) / 10:g} or more"
-        )  # fmt: skip
+    problem = engine.pool_too_small(translator.max_source_tokens + 1, settings.beam_size, "decode.beam_size", "pool_mib", cfg.pool_mib)  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
+    blocks = engine.pool.n_blocks
     log.info("scheduler=continuous: a key/value pool of %d blocks (%.0f MiB)", blocks, engine.mib(blocks))
     tag, tokenizer = translator.target_tag(cfg.tgt_lang), translator.tokenizer
     empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[settings.strategy].hypotheses_per_sentence(settings)

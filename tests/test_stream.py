@@ -125,5 +125,7 @@ def test_translate_py_continuous_answers_each_line_of_a_pipe_before_the_next_arr
 
     refused = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "prefix=true", stdin="x\n")
     assert refused.returncode != 0 and "scheduler=continuous" in refused.stderr and "Traceback" not in refused.stderr
+    small = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "pool_mib=0.001", stdin="x\n")
+    assert small.returncode != 0 and "raise pool_mib to" in small.stderr and "Traceback" not in small.stderr
     ensemble = translate_py(f"checkpoint={model_path}", f"ensemble=[{model_path}]", "scheduler=continuous", stdin="x\n")  # fmt: skip
     assert ensemble.returncode != 0 and "use scheduler=chunks" in ensemble.stderr and "Traceback" not in ensemble.stderr

@@ -107,6 +107,18 @@ class Engine:
         probe.max_len = self.length_limit(source_tokens, settings)
         return self.need(probe)
 
+    def pool_too_small(self, source_tokens: int, beam_size: int, beam_key: str, pool_key: str, pool_mib: float) -> str | None:  # fmt: skip
+        """None when the pool holds one sentence of `source_tokens` tokens (EOS included) at
+        `beam_size`; otherwise why not, in the words of the settings that size them."""
+        need = self.most_needed(source_tokens, beam_size)
+        if need <= self.pool.n_blocks:
+            return None
+        return (
+            f"{pool_key}={pool_mib:g} holds {self.pool.n_blocks} blocks of {self.pool.block_size} positions, but one "
+            f"sentence of {source_tokens} tokens at {beam_key}={beam_size} can need {need}: "
+            f"raise {pool_key} to {math.ceil(self.mib(need) * 10) / 10:g} or more"
+        )
+
     def length_limit(self, source_tokens: int, settings: DecodeConfig) -> int:
         """decoding/search.py's max_lengths for one source of `source_tokens` tokens (EOS included)."""
         return int(max_lengths(torch.ones(1, 1, 1, source_tokens, dtype=torch.bool), settings, self.limit)[0])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from contextlib import asynccontextmanager
 from dataclasses import asdict
@@ -183,14 +182,9 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
 def check_pool(engine: Engine, source_tokens: int, limits: ServeLimits) -> None:
     """The pool must hold the longest sentence a request may send at the largest beam it may ask
     for, so that a request never fails for want of blocks (it waits for them)."""
-    need, pool = engine.most_needed(source_tokens, limits.max_beam_size), engine.pool
-    if need > pool.n_blocks:
-        mib = engine.mib(need)
-        raise ConfigError(
-            f"limits.pool_mib={limits.pool_mib:g} holds {pool.n_blocks} blocks of {pool.block_size} positions, but one "
-            f"sentence of {source_tokens} tokens at limits.max_beam_size={limits.max_beam_size} can need {need}: "
-            f"raise limits.pool_mib to {math.ceil(mib * 10) / 10:g} or more"
-        )
+    problem = engine.pool_too_small(source_tokens, limits.max_beam_size, "limits.max_beam_size", "limits.pool_mib", limits.pool_mib)  # fmt: skip
+    if problem:
+        raise ConfigError(problem)
 
 
 def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:
