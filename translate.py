@@ -48,7 +48,7 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
-from transformer.decoding import STRATEGIES, DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
+from transformer.decoding import DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
@@ -165,7 +165,6 @@ def translate_continuous(cfg: TranslateConfig, translator: Translator, bar, name
     blocks = engine.pool.n_blocks
     log.info("scheduler=continuous: a key/value pool of %d blocks (%.0f MiB)", blocks, engine.mib(blocks))
     tag, tokenizer = translator.target_tag(cfg.tgt_lang), translator.tokenizer
-    empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[settings.strategy].hypotheses_per_sentence(settings)
 
     def encode(text: str, index: int) -> list[int]:
         return encode_sources([text], tokenizer, translator.max_source_tokens, name, index + 1, tag)[0]
@@ -175,7 +174,7 @@ def translate_continuous(cfg: TranslateConfig, translator: Translator, bar, name
         bar.update(1)
 
     lines = (line for chunk in input_chunks(cfg, size=1) for line in chunk)
-    return translate_stream(engine, lines, encode, write_line, settings, tokenizer.eos_id, empty)
+    return translate_stream(engine, lines, encode, write_line, settings, tokenizer.eos_id)
 
 
 def main(argv: list[str]) -> None:

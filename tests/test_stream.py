@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from transformer.decoding import DecodeConfig, Hypothesis
+from transformer.decoding import DecodeConfig
 from transformer.decoding.engine import Engine
 from transformer.decoding.stream import translate_stream
 from transformer.errors import DataError
@@ -62,10 +62,9 @@ def test_lines_arriving_mid_batch_join_it_and_get_translate_ids_translations_in_
         yield from texts[6:]
 
     written = []
-    empty = [Hypothesis([], 0.0, 0.0)] * settings.n_best
     count = translate_stream(
         engine, lines(), lambda text, i: translator.encode([text])[0], lambda i, hyps: written.append((i, hyps)),
-        settings, tokenizer.eos_id, empty,
+        settings, tokenizer.eos_id,
     )  # fmt: skip
     assert count == len(texts)
     assert [i for i, _ in written] == list(range(len(texts)))
@@ -92,7 +91,7 @@ def test_an_error_while_reading_reaches_the_caller(corpus):
     with pytest.raises(DataError, match="input.de:3"):
         translate_stream(
             engine, lines(), lambda text, i: translator.encode([text])[0], lambda i, hyps: None,
-            settings, tokenizer.eos_id, [],
+            settings, tokenizer.eos_id,
         )  # fmt: skip
 
 

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import direction, directions_of, language_pair, load_model, same_direction
-from .decoding import STRATEGIES, DecodeConfig, Ensemble, Hypothesis, encode_sources
+from .decoding import DecodeConfig, Ensemble, Hypothesis, encode_sources
 from .decoding import corpus as decoding
 from .decoding.alignment import align_translations
+from .decoding.strategies import empty_n_best
 from .devices import pick_device
 from .errors import ConfigError
 from .fast import accelerate
@@ -178,7 +179,7 @@ class Translator:
     def translate_batch(self, sources: list[list[int]], settings: DecodeConfig) -> list[list[Hypothesis]]:
         """n-best lists of token-id sentences in input order; an empty one gets empty hypotheses."""
         todo = [i for i, ids in enumerate(sources) if ids]
-        empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[settings.strategy].hypotheses_per_sentence(settings)
+        empty = empty_n_best(settings)
         out = [empty for _ in sources]
         for i, hyps in zip(todo, self.translate_ids([sources[i] for i in todo], settings)):
             out[i] = hyps

@@ -61,6 +61,11 @@ def search_beam(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig,
     return beam_search(model, src, bos_id, eos_id, cfg, prefix)
 
 
+def empty_n_best(cfg: DecodeConfig) -> list[Hypothesis]:
+    """The n-best list of an empty source: as many empty hypotheses as a sentence gets."""
+    return [Hypothesis([], 0.0, 0.0)] * STRATEGIES[cfg.strategy].hypotheses_per_sentence(cfg)
+
+
 STRATEGIES: dict[str, Strategy] = {
     strategy.name: strategy
     for strategy in (

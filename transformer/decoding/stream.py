@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from .config import DecodeConfig
 from .engine import Engine, Sentence
 from .search import Hypothesis
+from .strategies import empty_n_best
 
 _END = object()  # the reader's last item
 
@@ -48,12 +49,11 @@ def translate_stream(
     write: Callable[[int, list[Hypothesis]], None],
     settings: DecodeConfig,
     eos_id: int,
-    empty: list[Hypothesis],
     ahead: int = 256,
 ) -> int:
     """Translate each line of `lines` on `engine`; `encode(text, index)` gives a line's source ids
-    (without EOS; index counts from 0), `write(index, n_best)` is called in input order, an empty
-    line's n-best list being `empty`. Returns the number of lines."""
+    (without EOS; index counts from 0), `write(index, n_best)` is called in input order (an empty
+    line's n-best list holds empty hypotheses). Returns the number of lines."""
     reader = LineReader(lines, ahead)
     reader.start()
     ended: dict[int, list[Hypothesis]] = {}
@@ -79,7 +79,7 @@ def translate_stream(
                 if ids:
                     engine.add(Sentence(ids + [eos_id], settings, done_callback(read)))
                 else:
-                    ended[read] = empty
+                    ended[read] = empty_n_best(settings)
                 read += 1
             if not engine.busy:
                 break  # an empty line (or the end) with nothing running: write what is ready first

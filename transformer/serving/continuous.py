@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
 from ..decoding.engine import Engine, Sentence
-from ..decoding.strategies import STRATEGIES
+from ..decoding.strategies import empty_n_best
 from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_calls
 
 
@@ -83,9 +83,7 @@ class ContinuousBatcher(DecodingThread):
         """A request's sentences into the engine's queue; an empty one ends at once."""
         request.n_best = [None] * len(request.sources)
         request.left = len(request.sources)
-        empty = [Hypothesis([], 0.0, 0.0)] * STRATEGIES[request.settings.strategy].hypotheses_per_sentence(
-            request.settings
-        )
+        empty = empty_n_best(request.settings)
         try:
             for i, ids in enumerate(request.sources):
                 if not ids:
