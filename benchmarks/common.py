@@ -62,15 +62,16 @@ def padded(sources: list[list[int]], eos_id: int) -> torch.Tensor:
 
 
 # Run by CTranslate2InChild in a process of its own: load the model, translate once untimed (allocations,
-# packing, kernel setup), then once timed; prints the seconds.
+# packing, kernel setup), then once timed; prints the seconds and the best hypothesis of each sentence.
 CT2_TIMER = """
 import json, sys, time, ctranslate2
 directory, compute_type, threads, pieces, options = json.load(sys.stdin)
 translator = ctranslate2.Translator(directory, device="cpu", compute_type=compute_type, intra_threads=threads)
 translator.translate_batch(pieces, **options)
 start = time.perf_counter()
-translator.translate_batch(pieces, **options)
-print(time.perf_counter() - start)
+results = translator.translate_batch(pieces, **options)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "hypotheses": [r.hypotheses[0] for r in results]}))
 """
 
 
@@ -78,7 +79,8 @@ print(time.perf_counter() - start)
 class CTranslate2InChild:
     """A CTranslate2 decoding timed in a child process, each time: once CTranslate2 has run in a
     process, its thread pool stays there beside torch's and slows the torch decoders timed after it,
-    ours and HF alike (docs/PERFORMANCE.md, "int8 decoding and CTranslate2")."""
+    ours and HF alike (docs/PERFORMANCE.md, "int8 decoding and CTranslate2"). Calling it returns
+    (seconds, the best hypothesis of each sentence as target pieces)."""
 
     directory: str
     compute_type: str
@@ -86,12 +88,13 @@ class CTranslate2InChild:
     pieces: list
     options: dict
 
-    def __call__(self) -> tuple[float, None]:
+    def __call__(self) -> tuple[float, list[list[str]]]:
         payload = json.dumps([self.directory, self.compute_type, self.threads, self.pieces, self.options])
         done = subprocess.run([sys.executable, "-c", CT2_TIMER], input=payload, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"CTranslate2 ({self.compute_type}) failed: {done.stderr.strip()[-2000:]}")
-        return float(done.stdout.split()[-1]), None
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        return result["seconds"], result["hypotheses"]
 
 
 def matmul_peak(dtype: torch.dtype, device: torch.device, repeats: int = 10) -> float:

@@ -5,14 +5,18 @@ share of identical outputs, sacreBLEU of each, and decoding time, on one test sp
 
 For greedy search and beam search (beam_size), it decodes the first `sentences` sentences of
 `split` with: ours in fp32 (the reference for the shares), ours with decode.precision=int8, and
-the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8); with
+the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8) as its
+users run it: in a process of its own (its thread pool would slow torch's, and torch's its),
+all sentences in one translate_batch call that batches them itself (ct2_batch sentences a batch,
+grouped by length), the longest of our per-sentence length limits for all; with
 reference=true also ours under runtime=reference (the model as written, which ours fp32 must
 equal), and "ours fp32 paged", the continuous-batching engine of serve.py (every sentence
 joining at the first step, on the paged cache). isa=avx2 limits every library to AVX2. Beam
 search runs at each of length_penalties, passed to both as their length_penalty: our GNMT
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
 the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds` times, the four
-taking turns; the seconds are medians. Prints a table and writes JSON to output= if given.
+taking turns; the seconds are medians of the decoding alone (no loading), and sentences/s is
+sentences / seconds. Prints a table and writes JSON to output= if given.
 Needs ctranslate2.
 """
 
@@ -29,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from common import hardware, timed
+from common import CTranslate2InChild, hardware, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
@@ -38,8 +42,7 @@ from transformer.devices import limit_isa
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
-from transformer.interop.export import export, require_ctranslate2
-from transformer.interop.export import translate_ids as ctranslate2_ids
+from transformer.interop.export import export, require_ctranslate2, search_options
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -56,17 +59,18 @@ class CompareConfig:
     rounds: int = 1
     reference: bool = True  # also decode with runtime=reference (the model as written): ours fp32 must equal it
     isa: Optional[str] = None  # e.g. avx2: every library limited to that instruction set (transformer/devices.py)
+    ct2_batch: int = 64  # CTranslate2's max_batch_size (sentences), as a user would set it
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for key in ("sentences", "beam_size", "rounds"):
+        for key in ("sentences", "beam_size", "rounds", "ct2_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
 
 
 def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     """name -> function(sources, decode config) -> token ids; the tokenizer; max_positions."""
-    ct2 = require_ctranslate2()
+    require_ctranslate2()  # a clear error before any work when it is missing
     fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(precision=p)) for p in ("fp32", "int8"))
     tokenizer = fp32.tokenizer
     export(fp32.model, tokenizer, directory, "float32")
@@ -77,8 +81,7 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
         return lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dataclasses.replace(dc, precision=precision))]  # fmt: skip
 
     def theirs(compute_type):
-        translator = ct2.Translator(str(directory), device="cpu", compute_type=compute_type, intra_threads=threads)
-        return lambda src, dc: ctranslate2_ids(translator, tokenizer, src, dc, limit)
+        return ChildCTranslate2(str(directory), compute_type, threads, tokenizer, limit, cfg.ct2_batch)
 
     def engine(translator):
         continuous = Engine(
@@ -105,21 +108,48 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     return runs, tokenizer, limit
 
 
+@dataclass
+class ChildCTranslate2:
+    """CTranslate2 decoding token-id sentences in a child process: (seconds, output token ids)."""
+
+    directory: str
+    compute_type: str
+    threads: int
+    tokenizer: object
+    max_positions: int
+    batch: int
+
+    def __call__(self, sources: list[list[int]], dc: DecodeConfig) -> tuple[float, list[list[int]]]:
+        lengths = torch.tensor([len(s) + 1 for s in sources])  # as decoding.search.max_lengths counts
+        limit = int((lengths * dc.max_len_a + dc.max_len_b).long().clamp(min=2, max=self.max_positions - 1).max())
+        tok = self.tokenizer
+        options = search_options(dc, tok.id_to_piece(tok.pad_id))
+        options |= dict(max_decoding_length=limit - 1, max_batch_size=self.batch, batch_type="examples")
+        pieces = [[tok.source.id_to_piece(t) for t in s] for s in sources]
+        seconds, hypotheses = CTranslate2InChild(self.directory, self.compute_type, self.threads, pieces, options)()
+        return seconds, [[tok.piece_to_id(p) for p in h] for h in hypotheses]
+
+
 def compare(runs: dict, sources, refs, tokenizer, dc: DecodeConfig, rounds: int) -> list[dict]:
     """One row per decoder for the decode settings dc: median seconds of `rounds` runs taken in
     turns, sacreBLEU, and the share of outputs identical to ours fp32."""
     seconds, outputs, rows = {name: [] for name in runs}, {}, []
     for run in runs.values():
-        run(sources[:2], dc)  # untimed: one-time costs (allocations, kernel setup)
+        if not isinstance(run, ChildCTranslate2):  # which runs once untimed itself
+            run(sources[:2], dc)  # untimed: one-time costs (allocations, kernel setup)
     for _ in range(rounds):
         for name, run in runs.items():
-            took, outputs[name] = timed(lambda run=run: run(sources, dc), torch.device("cpu"))
+            if isinstance(run, ChildCTranslate2):
+                took, outputs[name] = run(sources, dc)
+            else:
+                took, outputs[name] = timed(lambda run=run: run(sources, dc), torch.device("cpu"))
             seconds[name].append(took)
     lp = dc.length_penalty if dc.strategy == "beam" else 0.0
     for name in runs:
         same = sum(a == b for a, b in zip(outputs[name], outputs["ours fp32"])) / len(sources)
         bleu = score(tokenizer.decode(outputs[name]), refs).bleu
-        rows.append({"strategy": dc.label, "length_penalty": lp, "decoder": name, "seconds": statistics.median(seconds[name]), "bleu": bleu, "same_as_ours_fp32": same})  # fmt: skip
+        median = statistics.median(seconds[name])
+        rows.append({"strategy": dc.label, "length_penalty": lp, "decoder": name, "seconds": median, "sentences_per_s": len(sources) / median, "bleu": bleu, "same_as_ours_fp32": same})  # fmt: skip
     return rows
 
 
@@ -145,13 +175,15 @@ def main(argv: list[str]) -> None:
     print(
         f"{cfg.checkpoint}: {len(sources)} {cfg.split} sentences, {torch.get_num_threads()} threads, medians of {cfg.rounds}"
     )
-    print(f"{'strategy':<9}{'lp':>5} {'decoder':<22}{'BLEU':>7}{'same':>8}{'seconds':>9}{'speed vs ours fp32':>20}")
+    print(
+        f"{'strategy':<9}{'lp':>5} {'decoder':<22}{'BLEU':>7}{'same':>8}{'seconds':>9}{'sent/s':>8}{'speed vs ours fp32':>20}"
+    )
     reference = {
         (r["strategy"], r["length_penalty"]): r["seconds"] for r in results["rows"] if r["decoder"] == "ours fp32"
     }
     for r in results["rows"]:
         r["speed_vs_ours_fp32"] = reference[r["strategy"], r["length_penalty"]] / r["seconds"]
-        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<22}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.1f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
+        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<22}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.2f}{r['sentences_per_s']:>8.0f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
     if cfg.output:
         with exit_on_user_error():
             atomic_write_text(cfg.output, json.dumps(results, indent=2))

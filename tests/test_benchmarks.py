@@ -96,7 +96,8 @@ def test_isa_avx2_reruns_the_script_with_its_libraries_kept_to_avx2(tmp_path):
 @pytest.mark.e2e
 def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
     """Part 3 of benchmark_decoding.py: CTranslate2 decodes the exported model in a child process,
-    which reports the seconds of one timed batch; a failure there names its compute type."""
+    which reports the seconds of one timed batch and its translations; a failure there names its
+    compute type."""
     import pytest
 
     pytest.importorskip("ctranslate2")
@@ -110,7 +111,8 @@ def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
     export(model, tokenizer, tmp_path / "ct2", "float32")
     pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in tokenizer.source.encode(corpus[0][:4])]
     options = dict(beam_size=1, max_decoding_length=5, min_decoding_length=5)
-    seconds, result = CTranslate2InChild(str(tmp_path / "ct2"), "float32", 1, pieces, options)()
-    assert seconds > 0 and result is None
+    seconds, hypotheses = CTranslate2InChild(str(tmp_path / "ct2"), "float32", 1, pieces, options)()
+    assert seconds > 0 and len(hypotheses) == 4
+    assert all(len(h) == 5 and all(tokenizer.id_to_piece(tokenizer.piece_to_id(p)) == p for p in h) for h in hypotheses)
     with pytest.raises(RuntimeError, match="CTranslate2 \\(float32\\) failed"):
         CTranslate2InChild(str(tmp_path / "missing"), "float32", 1, pieces, options)()

@@ -38,22 +38,32 @@ def check(kernels: list[str], record_property, path: str) -> None:
 
 
 def test_fp32_linear_layers_run_optimized_kernels(capfd, record_property):
-    """Inference (packed weights) and a training step, on the products runtime.onednn_linear=null
-    chooses here (oneDNN where AVX-512 runs, else BLAS), and on oneDNN when it is asked for."""
+    """Inference (packed weights) and a training step, each on the products runtime.onednn_linear=null
+    chooses here (inference: oneDNN on every CPU; training: oneDNN where AVX-512 runs, else BLAS),
+    and on oneDNN when it is asked for."""
     torch.manual_seed(0)
     layer, x = FastLinear(64, 96), torch.randn(12, 64)
+    runtime = RuntimeConfig()
+    layer.adopt(runtime)
 
-    def run(onednn: bool) -> None:
-        layer.onednn = onednn
+    def infer() -> None:
         with torch.no_grad():
             layer(x)
+
+    def train() -> None:
         layer(x.requires_grad_()).sum().backward()
 
-    chosen = RuntimeConfig().onednn
-    kernels = onednn_kernels(capfd, lambda: run(chosen))
-    check(kernels, record_property, f"fp32 linear (runtime.onednn_linear=null: {'oneDNN' if chosen else 'BLAS'})")
-    assert bool(kernels) == chosen  # BLAS leaves oneDNN idle
-    check(onednn_kernels(capfd, lambda: run(True)), record_property, "fp32 linear (runtime.onednn_linear=true)")
+    kernels = onednn_kernels(capfd, infer)
+    check(kernels, record_property, "fp32 linear inference (runtime.onednn_linear=null: oneDNN)")
+    assert kernels, "inference products did not run on oneDNN"
+    kernels = onednn_kernels(capfd, train)
+    library = "oneDNN" if runtime.onednn else "BLAS"
+    check(kernels, record_property, f"fp32 linear training (runtime.onednn_linear=null: {library})")
+    assert bool(kernels) == runtime.onednn  # BLAS leaves oneDNN idle
+    layer.adopt(RuntimeConfig(onednn_linear=True))
+    check(onednn_kernels(capfd, train), record_property, "fp32 linear training (runtime.onednn_linear=true)")
+    layer.adopt(RuntimeConfig(onednn_linear=False))
+    assert not onednn_kernels(capfd, infer), "runtime.onednn_linear=false still ran oneDNN at inference"
 
 
 def test_bf16_autocast_inference_runs_optimized_kernels(capfd, record_property):
@@ -78,7 +88,7 @@ def test_int8_layers_run_optimized_kernels_or_stay_fp32(capfd, record_property):
     start-up check then decides by speed, shape by shape, whether decoding uses it); where they
     are not, quantize_int8 leaves the layers in fp32."""
     levels, shape = exact_weight_levels(), (256, 1024)
-    decision = f"start-up check: {describe({shape: kernel_plan(RuntimeConfig().onednn, shape)})}"
+    decision = f"start-up check: {describe({shape: kernel_plan(RuntimeConfig().onednn_inference, shape)})}"
     if levels is None:
         record_property("kernels", f"int8 linear: not used; {decision}")
         assert type(quantize_int8(nn.Sequential(nn.FastLinear(64, 96)))[0]) is nn.Linear

@@ -85,17 +85,19 @@ def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
 
 @pytest.mark.e2e
 def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
-    """runtime.onednn_linear=null (the default) turns the oneDNN path on only where torch runs
-    AVX-512 kernels; in a process kept to AVX2 it is off, and bf16 autocast is not chosen."""
+    """runtime.onednn_linear=null (the default) turns the oneDNN path on for training only where
+    torch runs AVX-512 kernels and for inference everywhere; in a process kept to AVX2 training
+    products stay on BLAS, and bf16 autocast is not chosen."""
     onednn_avx512 = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_BELOW_AVX512
     assert RuntimeConfig().onednn == (torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_avx512)
     code = (
         "from transformer.runtime import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"
-        "print(R().onednn, R(onednn_linear=True).onednn, R(onednn_linear=False).onednn, b())"
+        "print(R().onednn, R(onednn_linear=True).onednn, R(onednn_linear=False).onednn, b(),"
+        "R().onednn_inference, R(onednn_linear=False).onednn_inference)"
     )
     env = {**os.environ, **ISA_LIMITS["avx2"]}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True", "False", "False"]
+    assert out.split() == ["False", "True", "False", "False", "True", "False"]
 
 
 @pytest.mark.e2e

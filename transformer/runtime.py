@@ -15,7 +15,7 @@ from .devices import cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
 @dataclass
 class RuntimeConfig:
     fast: bool = True  # false: the reference model exactly as written (runtime=reference)
-    onednn_linear: Optional[bool] = None  # oneDNN for CPU fp32 linear layers (fast/linear.py); null: with AVX-512
+    onednn_linear: Optional[bool] = None  # oneDNN for fp32 linear layers; null: at inference, in training with AVX-512
     fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
     chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
 
@@ -26,10 +26,25 @@ class RuntimeConfig:
         CPUs kept to AVX2 they are slower (docs/PERFORMANCE.md), so BLAS is kept."""
         return self.onednn_linear if self.onednn_linear is not None else cpu_runs_avx512()
 
+    @property
+    def onednn_inference(self) -> bool:
+        """Whether fp32 linear layers run on oneDNN at inference (no gradients; the weight reordered
+        once for oneDNN): as onednn_linear says, or when it is null, on every CPU. At a decoding
+        step's shapes the packed products beat BLAS under AVX2 too (docs/PERFORMANCE.md)."""
+        return self.onednn_linear if self.onednn_linear is not None else True
+
     def why_onednn(self) -> str:
         if self.onednn_linear is None:
             return "runtime.onednn_linear=null and " + ("AVX-512 runs" if self.onednn else "no AVX-512")
         return f"runtime.onednn_linear={str(self.onednn_linear).lower()}"
+
+    def linear_paths(self) -> str:
+        """Where fp32 linear layers run, for the log line."""
+        train = "oneDNN" if self.onednn else "BLAS"
+        infer = "oneDNN" if self.onednn_inference else "BLAS"
+        if train == infer:
+            return f"fp32 linear layers on {train} ({self.why_onednn()})"
+        return f"fp32 linear layers on {infer} at inference, on {train} in training ({self.why_onednn()})"
 
     def describe(self) -> str:
         """What this runtime chooses on this CPU, and why: one line for the log."""
@@ -37,6 +52,6 @@ class RuntimeConfig:
         if not self.fast:
             return f"runtime=reference: the model as written, no speed paths; precision=auto: {auto} | {describe_cpu()}"
         return (
-            f"runtime=fast: fp32 linear layers on {'oneDNN' if self.onednn else 'BLAS'} ({self.why_onednn()}); "
+            f"runtime=fast: {self.linear_paths()}; "
             f"chunked loss {'on' if self.chunked_loss else 'off'}; precision=auto: {auto} | {describe_cpu()}"
         )

@@ -92,7 +92,7 @@ def install(model: nn.Module, runtime: RuntimeConfig) -> tuple[Counter, list[str
         if hasattr(fast, "adopt"):
             module.adopt(runtime)
         installed[fast.__name__] += 1
-    if runtime.onednn:
+    if runtime.onednn or runtime.onednn_inference:
         bound_primitive_caches()
         refresh_packed_weights()  # after every optimizer step: fused Adam leaves weight versions as they were
     return installed, list(dict.fromkeys(kept))
@@ -118,7 +118,7 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = F
         line += f"; kept the variants' own {', '.join(kept)}" if kept else ""
         log_once(f"{runtime.describe()} | installed {line}")
     if int8:
-        quantize_int8(transformer, runtime.fast and runtime.onednn)
+        quantize_int8(transformer, runtime.fast and runtime.onednn_inference)
     return transformer
 
 

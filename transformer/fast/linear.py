@@ -14,8 +14,9 @@ Inference under CPU bf16 autocast takes the same packed path with a bf16 copy of
 reordered once: under autocast `F.linear` hands oneDNN the plain bf16 weight, which oneDNN
 reorders again at every product. Everything else (GPUs, bf16 training, torch.compile, other
 dtypes) takes `F.linear` unchanged. `FastLinear` is `nn.Linear` with this forward: same parameters,
-same state dict; `transformer.fast.accelerate` turns a model's nn.Linear layers into it
-(runtime.onednn_linear=false keeps them on F.linear).
+same state dict; `transformer.fast.accelerate` turns a model's nn.Linear layers into it. By
+default products without gradients take the packed path on every CPU and products with gradients
+only where AVX-512 runs (transformer/runtime.py); runtime.onednn_linear=false keeps both on F.linear.
 
 oneDNN builds a primitive for every product shape and keeps up to 1024 of them in two caches
 (its own and that of ideep, torch's wrapper), with buffers of several MB each; training batches
@@ -172,16 +173,18 @@ def _activate(x: Tensor, activation: str | None) -> Tensor:
 class FastLinear(nn.Linear):
     """nn.Linear computed by `linear`."""
 
-    def __init__(self, *args, onednn: bool = True, **kwargs):
+    def __init__(self, *args, onednn: bool = True, onednn_inference: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.packed, self.onednn = PackedWeight(), onednn
+        self.packed, self.onednn, self.onednn_inference = PackedWeight(), onednn, onednn_inference
 
     def adopt(self, runtime) -> None:
-        """State for a layer that was an nn.Linear (runtime.onednn=False: F.linear)."""
-        self.packed, self.onednn = PackedWeight(), runtime.onednn
+        """State for a layer that was an nn.Linear (runtime.onednn, runtime.onednn_inference: where
+        products with and without gradients run; False means F.linear)."""
+        self.packed, self.onednn, self.onednn_inference = PackedWeight(), runtime.onednn, runtime.onednn_inference
 
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
-        return linear(x, self.weight, self.bias, self.packed, activation, self.onednn)
+        onednn = self.onednn_inference if not torch.is_grad_enabled() else self.onednn
+        return linear(x, self.weight, self.bias, self.packed, activation, onednn)
 
 
 def bump_fused_versions(optimizer: torch.optim.Optimizer, args, kwargs) -> None:

@@ -24,6 +24,7 @@ class FastTransformer(Transformer):
 
     def adopt(self, runtime) -> None:
         self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(), runtime.onednn, runtime.chunked_loss
+        self.onednn_inference = runtime.onednn_inference
 
     def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
         """The summed label-smoothed loss of the decoder output `out` (forward(project=False)),
@@ -41,7 +42,8 @@ class FastTransformer(Transformer):
     def project(self, x: Tensor) -> Tensor:
         if self.output is not None:
             return super().project(x)
-        return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=self.onednn)
+        onednn = self.onednn_inference if not torch.is_grad_enabled() else self.onednn
+        return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=onednn)
 
     def new_state(self) -> FastDecoderState:
         return FastDecoderState()
