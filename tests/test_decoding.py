@@ -172,6 +172,30 @@ def test_n_best_lists_are_sorted_distinct_and_scored_with_the_length_penalty():
             assert h.score == pytest.approx(h.log_prob / ((5 + len(h.tokens) + 1) / 6))
 
 
+def test_beam_search_stops_once_its_n_best_list_is_final(monkeypatch):
+    """A sentence stops once it has n_best finished hypotheses that no live beam can beat: its
+    n-best list is then what searching on until all beam_size had finished gives, in fewer steps."""
+    model, src = make_model(), batch(sources(32))
+    steps = []
+    real_decode = model.decode
+
+    def counting(*args, **kwargs):
+        steps.append(args[0].size(0))  # rows decoded
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", counting)
+    for n_best, alpha in ((1, 0.6), (1, 0.0), (2, 0.0)):
+        steps.clear()
+        early = beam_search(model, src, BOS, EOS, DecodeConfig(beam_size=5, n_best=n_best, length_penalty=alpha))
+        rows_early = sum(steps)
+        steps.clear()
+        full = beam_search(model, src, BOS, EOS, DecodeConfig(beam_size=5, n_best=5, length_penalty=alpha))
+        assert sum(steps) > rows_early
+        assert [[h.tokens for h in hyps] for hyps in early] == [[h.tokens for h in hyps[:n_best]] for hyps in full]
+        for a, b in zip(early, full):
+            assert [h.score for h in a] == pytest.approx([h.score for h in b[:n_best]], abs=1e-4)
+
+
 def test_beam_search_finds_at_least_the_greedy_score():
     model, src = make_model(), batch(sources(16))
     cfg = DecodeConfig(beam_size=8, length_penalty=0.0)

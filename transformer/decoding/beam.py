@@ -34,7 +34,8 @@ def beam_search(
 
     Each step scores every (beam, token) extension, keeps hypotheses that end in EOS among the
     best k as finished, and continues with the best k that do not. A sentence is done once it
-    has k finished hypotheses and no live beam can still beat the worst of them.
+    has n_best finished hypotheses and no live beam can still beat the worst of those n_best:
+    any hypothesis found later would rank below them, so the n-best list is final.
     Returns, per sentence, the n_best finished hypotheses sorted by score.
 
     The bookkeeping of finished hypotheses runs on the host, on host copies made once per step
@@ -74,7 +75,7 @@ def beam_search(
         scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
         order = stay_in_place(beam)  # the same beams, in slots that spare cache copies
         scores, beam, token = scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
-        done |= search_done(present, scores.cpu(), host_max_len, step, k, cfg.length_penalty)
+        done |= search_done(present, scores.cpu(), host_max_len, step, cfg.n_best, cfg.length_penalty)
         if done.all():
             break
         rows = torch.arange(len(sentence), device=src.device)[:, None] * width + beam  # (sentences, k)
@@ -128,8 +129,9 @@ def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: Decod
         finished[sent].append(Hypothesis(ids, log_prob / penalty, log_prob))
 
 
-def search_done(finished, scores: Tensor, max_len: Tensor, step: int, k: int, alpha: float) -> Tensor:
-    """(batch,) True where no live beam can beat the k-th best finished hypothesis.
+def search_done(finished, scores: Tensor, max_len: Tensor, step: int, n_best: int, alpha: float) -> Tensor:
+    """(batch,) True where a sentence has reached its length limit, or has n_best finished
+    hypotheses and no live beam can beat the n_best-th best of them.
 
     Log-probabilities only fall as a hypothesis grows, so a live beam's best reachable score is
     its log-probability divided by the largest length penalty it can still get.
@@ -138,9 +140,9 @@ def search_done(finished, scores: Tensor, max_len: Tensor, step: int, k: int, al
     for sent, hyps in enumerate(finished):
         if step + 1 >= int(max_len[sent]):
             done[sent] = True
-        elif len(hyps) >= k:
-            kth_best = sorted(h.score for h in hyps)[-k]
-            done[sent] = float(scores[sent].max()) / length_penalty(int(max_len[sent]), alpha) <= kth_best
+        elif len(hyps) >= n_best:
+            nth_best = sorted(h.score for h in hyps)[-n_best]
+            done[sent] = float(scores[sent].max()) / length_penalty(int(max_len[sent]), alpha) <= nth_best
     return done
 
 

@@ -320,13 +320,13 @@ class Engine:
 
     def beam_done(self, sentence: Sentence, live_scores: list[float]) -> bool:
         """decoding/beam.py's `search_done` for one sentence."""
-        k, alpha = sentence.settings.beam_size, sentence.settings.length_penalty
+        n_best, alpha = sentence.settings.n_best, sentence.settings.length_penalty
         if sentence.step + 1 >= sentence.max_len:
             return True
-        if len(sentence.finished) < k:
+        if len(sentence.finished) < n_best:
             return False
-        kth_best = sorted(h.score for h in sentence.finished)[-k]
-        return max(live_scores) / length_penalty(sentence.max_len, alpha) <= kth_best
+        nth_best = sorted(h.score for h in sentence.finished)[-n_best]
+        return max(live_scores) / length_penalty(sentence.max_len, alpha) <= nth_best
 
 
 def unsupported_settings(decode: DecodeConfig) -> str | None:
