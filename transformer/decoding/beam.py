@@ -31,16 +31,14 @@ def beam_search(
 ) -> list[list[Hypothesis]]:
     """Batched beam search over sentences x beams with GNMT length normalization; every hypothesis
     of a sentence starts with its target prefix (batch, prefix_len; -1 after its end) if given.
-
-    Each step scores every (beam, token) extension, keeps hypotheses that end in EOS among the
-    best k as finished, and continues with the best k that do not. A sentence is done once it
-    has n_best finished hypotheses and no live beam can still beat the worst of those n_best:
-    any hypothesis found later would rank below them, so the n-best list is final.
     Returns, per sentence, the n_best finished hypotheses sorted by score.
 
-    The bookkeeping of finished hypotheses runs on the host, on host copies made once per step
-    (`host_max_len` once per batch): on a GPU each read of a single element would wait for the
-    device, and with one such wait per sentence per step the GPU idled between them.
+    Each step scores every (beam, token) extension, keeps hypotheses that end in EOS among the
+    best k as finished, and continues with the best k that do not. A sentence is done once no live
+    beam can beat the n_best-th of its finished hypotheses: later ones would rank below them.
+
+    The bookkeeping of finished hypotheses reads host copies made once per step (`host_max_len`
+    once per batch): on a GPU, reading one element per sentence per step idled the device.
     """
     k, batch, pad_id = cfg.beam_size, src.size(0), model.cfg.pad_id
     src_mask = padding_mask(src, pad_id)
@@ -59,9 +57,8 @@ def beam_search(
     done = torch.zeros(batch, dtype=torch.bool)
     for step in range(int(host_max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        rows_max_len = max_len.repeat_interleave(width)
         forcing = bool((step + 1 >= host_max_len).any())
-        lprobs = step_log_probs(logits[:, -1], step, rows_max_len, forcing, eos_id, pad_id, cfg.min_len)
+        lprobs = step_log_probs(logits[:, -1], step, max_len.repeat_interleave(width), forcing, eos_id, pad_id, cfg.min_len)  # fmt: skip
         if prefix is not None and step < prefix.size(1):  # while a prefix lasts, its beams have one extension
             lprobs = force_prefix(lprobs, prefix.repeat_interleave(width, dim=0), step)
         vocab = lprobs.size(-1)
@@ -70,11 +67,7 @@ def beam_search(
         ends = (token == eos_id) & top.isfinite()
         present = [finished[i] for i in sentence]
         add_finished(present, done, top, beam, ends, tokens, width, cfg)
-        # The best k candidates that do not end in EOS continue (a stable sort keeps their order).
-        keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
-        scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
-        order = stay_in_place(beam)  # the same beams, in slots that spare cache copies
-        scores, beam, token = scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
+        scores, beam, token = survivors(top, beam, token, ends, k)
         done |= search_done(present, scores.cpu(), host_max_len, step, cfg.n_best, cfg.length_penalty)
         if done.all():
             break
@@ -93,6 +86,16 @@ def beam_search(
             state.reorder_targets(rows)  # beams move within their sentence
         tokens = torch.cat([tokens[rows], token.view(-1, 1)], dim=1)
     return [sorted(f, key=lambda h: -h.score)[: cfg.n_best] for f in finished]
+
+
+def survivors(top: Tensor, beam: Tensor, token: Tensor, ends: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The best k of a step's candidates (sentences, 2k) that do not end in EOS (a stable sort
+    keeps their order), placed in slots that spare cache copies (`stay_in_place`): their scores,
+    parent beams and tokens, each (sentences, k)."""
+    keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
+    scores, beam, token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
+    order = stay_in_place(beam)
+    return scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
 
 
 def step_log_probs(
