@@ -218,10 +218,13 @@ def test_rdrop_regularizer_is_the_symmetric_kl_over_real_tokens():
     assert symmetric_kl(a, a, keep).item() == pytest.approx(0.0, abs=1e-6)
 
 
-def test_bf16_autocast_is_chosen_only_for_cpus_with_bf16_matrix_instructions():
+def test_bf16_autocast_is_chosen_only_for_cpus_with_bf16_matrix_instructions(monkeypatch):
     def cpuinfo(flags: str) -> str:
         return f"processor\t: 0\nmodel name\t: some CPU\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\n"
 
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # a process kept to AVX2 (isa=avx2) may not use them
+    assert not cpu_has_bf16_matmul(cpuinfo("avx512f amx_bf16 amx_tile"))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")  # the flags alone decide below, whatever limit this process runs under
     assert cpu_has_bf16_matmul(cpuinfo("avx512f amx_bf16 amx_tile"))  # Intel AMX
     assert cpu_has_bf16_matmul(cpuinfo("avx512f avx512_bf16"))  # AVX512-BF16, e.g. AMD Zen 4
     assert not cpu_has_bf16_matmul(cpuinfo("avx512f avx512_vnni"))  # bf16 would be emulated
