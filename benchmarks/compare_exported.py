@@ -42,7 +42,7 @@ from transformer.devices import limit_isa
 from transformer.errors import exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
-from transformer.interop.export import export, require_ctranslate2, search_options
+from transformer.interop.export import export, length_limits, require_ctranslate2, search_options
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -120,8 +120,7 @@ class ChildCTranslate2:
     batch: int
 
     def __call__(self, sources: list[list[int]], dc: DecodeConfig) -> tuple[float, list[list[int]]]:
-        lengths = torch.tensor([len(s) + 1 for s in sources])  # as decoding.search.max_lengths counts
-        limit = int((lengths * dc.max_len_a + dc.max_len_b).long().clamp(min=2, max=self.max_positions - 1).max())
+        limit = max(length_limits(sources, dc, self.max_positions))
         tok = self.tokenizer
         options = search_options(dc, tok.id_to_piece(tok.pad_id))
         options |= dict(max_decoding_length=limit - 1, max_batch_size=self.batch, batch_type="examples")

@@ -166,6 +166,12 @@ def linear(
     return _product(x, weight, bias, activation)
 
 
+def onednn_now(training: bool, inference: bool) -> bool:
+    """Whether a product runs on oneDNN now: the `inference` choice where no gradient is
+    recorded, the `training` one where it is (runtime.onednn and runtime.onednn_inference)."""
+    return training if torch.is_grad_enabled() else inference
+
+
 def _activate(x: Tensor, activation: str | None) -> Tensor:
     return x if activation is None else ACTIVATIONS[activation](x)
 
@@ -183,7 +189,7 @@ class FastLinear(nn.Linear):
         self.packed, self.onednn, self.onednn_inference = PackedWeight(), runtime.onednn, runtime.onednn_inference
 
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
-        onednn = self.onednn_inference if not torch.is_grad_enabled() else self.onednn
+        onednn = onednn_now(self.onednn, self.onednn_inference)
         return linear(x, self.weight, self.bias, self.packed, activation, onednn)
 
 

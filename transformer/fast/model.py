@@ -13,7 +13,7 @@ from ..model import DecoderLayer, DecoderState, Transformer
 from . import cache
 from .attention import attend_memory_folded
 from .encoding import encode_grouped
-from .linear import FastLinear, PackedWeight, linear
+from .linear import FastLinear, PackedWeight, linear, onednn_now
 from .loss import projected_cross_entropy
 
 
@@ -42,7 +42,7 @@ class FastTransformer(Transformer):
     def project(self, x: Tensor) -> Tensor:
         if self.output is not None:
             return super().project(x)
-        onednn = self.onednn_inference if not torch.is_grad_enabled() else self.onednn
+        onednn = onednn_now(self.onednn, self.onednn_inference)
         return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=onednn)
 
     def new_state(self) -> FastDecoderState:

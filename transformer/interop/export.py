@@ -279,6 +279,13 @@ def search_options(cfg: DecodeConfig, pad_piece: str) -> dict:
     )
 
 
+def length_limits(sources: list[list[int]], cfg: DecodeConfig, max_positions: int) -> list[int]:
+    """Each token-id source's limit on output tokens, EOS included, as decoding.search.max_lengths
+    computes it (n counts the source's EOS), at least 2 for CTranslate2."""
+    lengths = torch.tensor([len(s) + 1 for s in sources])
+    return (lengths * cfg.max_len_a + cfg.max_len_b).long().clamp(min=2, max=max_positions - 1).tolist()
+
+
 def translate_ids(translator, tokenizer: Tokenizer, sources: list[list[int]], cfg: DecodeConfig, max_positions: int):
     """Our decoding's output token ids (no BOS/EOS) for token-id `sources`, by a ctranslate2.Translator.
 
@@ -288,8 +295,7 @@ def translate_ids(translator, tokenizer: Tokenizer, sources: list[list[int]], cf
     if cfg.strategy not in ("greedy", "beam"):
         raise ConfigError(f"decode.strategy={cfg.strategy} is not supported with CTranslate2 here (greedy, beam)")
     options = search_options(cfg, tokenizer.id_to_piece(tokenizer.pad_id))
-    lengths = torch.tensor([len(s) + 1 for s in sources])  # as decoding.search.max_lengths computes it
-    limits = (lengths * cfg.max_len_a + cfg.max_len_b).long().clamp(min=2, max=max_positions - 1).tolist()
+    limits = length_limits(sources, cfg, max_positions)
     source_piece, target_id = tokenizer.source.id_to_piece, tokenizer.piece_to_id
     out: list[list[int]] = [[] for _ in sources]
     for limit in sorted(set(limits)):
