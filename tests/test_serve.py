@@ -169,8 +169,8 @@ def loaded_translator(model_path) -> Translator:
 
 def test_health_is_503_until_the_model_has_decoded_a_sentence(model_path):
     translator, released = loaded_translator(model_path), threading.Event()
-    decode = translator.translate
-    translator.translate = lambda sources, settings: released.wait(60) and decode(sources, settings)
+    decode = translator.translate_batch  # what the start-up check decodes with (Translator.check)
+    translator.translate_batch = lambda sources, settings: released.wait(60) and decode(sources, settings)
     with TestClient(create_app(translator, ServeLimits())) as client:  # runs the app's startup here
         loading = client.get("/health")
         assert loading.status_code == 503 and loading.json()["status"] == "loading", loading.json()
