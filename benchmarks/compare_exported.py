@@ -69,7 +69,7 @@ class CompareConfig:
 
 
 def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
-    """name -> function(sources, decode config) -> token ids; the tokenizer; max_positions."""
+    """name -> function(sources, decode config) -> (seconds, token ids); the tokenizer; max_positions."""
     require_ctranslate2()  # a clear error before any work when it is missing
     fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(precision=p)) for p in ("fp32", "int8"))
     tokenizer = fp32.tokenizer
@@ -78,7 +78,7 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     limit = fp32.model.cfg.max_positions
 
     def ours(translator, precision):
-        return lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dataclasses.replace(dc, precision=precision))]  # fmt: skip
+        return in_process(lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dataclasses.replace(dc, precision=precision))])  # fmt: skip
 
     def theirs(compute_type):
         return ChildCTranslate2(str(directory), compute_type, threads, tokenizer, limit, cfg.ct2_batch)
@@ -97,7 +97,7 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
                 continuous.step(dc.max_tokens)
             return out
 
-        return run
+        return in_process(run)
 
     runs = {"ours fp32": ours(fp32, "fp32")}
     if cfg.reference:
@@ -106,6 +106,11 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8, "int8")}
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     return runs, tokenizer, limit
+
+
+def in_process(decode):
+    """A decoder of ours, timed in this process: function(sources, dc) -> (seconds, token ids)."""
+    return lambda src, dc: timed(lambda: decode(src, dc), torch.device("cpu"))
 
 
 @dataclass
@@ -138,10 +143,7 @@ def compare(runs: dict, sources, refs, tokenizer, dc: DecodeConfig, rounds: int)
             run(sources[:2], dc)  # untimed: one-time costs (allocations, kernel setup)
     for _ in range(rounds):
         for name, run in runs.items():
-            if isinstance(run, ChildCTranslate2):
-                took, outputs[name] = run(sources, dc)
-            else:
-                took, outputs[name] = timed(lambda run=run: run(sources, dc), torch.device("cpu"))
+            took, outputs[name] = run(sources, dc)
             seconds[name].append(took)
     lp = dc.length_penalty if dc.strategy == "beam" else 0.0
     for name in runs:
