@@ -56,6 +56,7 @@ class Sentence:
     cancelled: Callable[[], bool] = lambda: False
     request: object = None  # the caller's, for its own bookkeeping
     arrived: int = 0  # the engine's step count when it was added
+    serial: int = 0  # the engine's number for it, unique while the engine runs
     max_len: int = 0
     cross: list[int] = field(default_factory=list)  # the blocks of its encoder keys and values
     reserved: int = 0  # blocks the pool promised it: the most it holds at once
@@ -90,7 +91,7 @@ class Engine:
         self.waiting: list[Sentence] = []
         self.running: list[Sentence] = []
         self.limit = model.cfg.max_positions - 1
-        self.steps = 0
+        self.steps = self.added = 0
 
     def need(self, sentence: Sentence) -> int:
         """Blocks a sentence may take at most: its encoder keys and values, and every row at its longest."""
@@ -133,6 +134,8 @@ class Engine:
                 f"{sentence.width}; the pool has {self.pool.n_blocks} (raise limits.pool_mib)"
             )
         sentence.arrived = self.steps
+        self.added += 1
+        sentence.serial = self.added
         self.waiting.append(sentence)
 
     @property
@@ -230,6 +233,7 @@ class Engine:
             cross_lengths=as_tensor([len(s.ids) for s in self.running]),
             fold=as_tensor(fold),
             width=width,
+            cross_key=tuple(s.serial for s in self.running),
         )
 
     # --- The search ----------------------------------------------------------------------------
@@ -244,9 +248,12 @@ class Engine:
             groups.setdefault(key, []).append((sentence, start))
             start += len(sentence.rows)
         for (beam, width, _), members in groups.items():
-            index = torch.cat([torch.arange(start, start + width) for _, start in members]).to(logits.device)
             sentences = [s for s, _ in members]
-            lprobs = self.log_probs(logits.index_select(0, index), sentences, width)
+            if len(groups) == 1:  # every row, in order
+                lprobs = self.log_probs(logits, sentences, width)
+            else:
+                index = torch.cat([torch.arange(start, start + width) for _, start in members]).to(logits.device)
+                lprobs = self.log_probs(logits.index_select(0, index), sentences, width)
             (self.beam_step if beam else self.greedy_step)(sentences, lprobs, width)
         for sentence in self.running:
             sentence.step += 1

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..blocks import LearnedPositions, NoPositions, SinusoidalPositions
 from .attention import fast_attention
+from .model import FastRotary
 
 
 class PoolExhausted(RuntimeError):
@@ -142,6 +143,7 @@ class PagedDecoder:
 
     def __init__(self, model, pool: BlockPool):
         self.model, self.pool = model, pool
+        self.cross: tuple[object, list[tuple[Tensor, Tensor]]] = (None, [])  # see cross_keys_values
 
     @staticmethod
     def supports(model) -> str | None:
@@ -184,6 +186,7 @@ class PagedDecoder:
         cross_lengths: Tensor,
         fold: Tensor,
         width: int,
+        cross_key: object = None,
     ) -> Tensor:
         """Logits (rows, vocab) of the next token of each row.
 
@@ -192,14 +195,16 @@ class PagedDecoder:
         row attends to, this token's included. cross_slots (sentences, S) and cross_lengths: each
         sentence's encoder keys and values. fold: (rows,) where each row's query sits in the
         (sentences * width) grid of cross-attention queries: a sentence's beams attend together
-        to its one copy of the memory."""
+        to its one copy of the memory. cross_key: see cross_keys_values."""
         model, pool = self.model, self.pool
         sentences = cross_slots.size(0)
         x = model.embed(tokens[:, None])
         x = add_positions(model.positions, x, positions)
         self_mask = (torch.arange(self_slots.size(1), device=x.device) < self_lengths[:, None])[:, None, None, :]
         cross_mask = (torch.arange(cross_slots.size(1), device=x.device) < cross_lengths[:, None])[:, None, None, :]
-        self_index, cross_index = pool.head_major(self_slots), pool.head_major(cross_slots)
+        self_index = pool.head_major(self_slots)
+        turn = None
+        cross = self.cross_keys_values(cross_slots, cross_key)
         for i, layer in enumerate(model.decoder_layers):
             attn = layer.self_attn
             h = layer.self_attn_norm.before(x)
@@ -207,7 +212,8 @@ class PagedDecoder:
             k = attn.split_heads(attn.w_k(h), attn.n_kv_heads)
             v = attn.split_heads(attn.w_v(h), attn.n_kv_heads)
             if attn.rotary is not None:
-                q, k = rotate(attn.rotary, q, positions), rotate(attn.rotary, k, positions)
+                turn = turning(attn.rotary, positions, q.dtype) if turn is None else turn  # one rotary for all layers
+                q, k = rotate(turn, q), rotate(turn, k)
             pool.keys[i].index_copy_(0, write_slots, k[:, :, 0].to(pool.keys.dtype))
             pool.values[i].index_copy_(0, write_slots, v[:, :, 0].to(pool.values.dtype))
             keys, values = pool.gather(i, self_index, tokens.size(0))
@@ -219,12 +225,21 @@ class PagedDecoder:
             q = attn.split_heads(attn.w_q(h), attn.n_heads)[:, :, 0]  # (rows, heads, head_size)
             grid = q.new_zeros(sentences * width, *q.shape[1:]).index_copy_(0, fold, q)
             grid = grid.view(sentences, width, *q.shape[1:]).transpose(1, 2)  # (sentences, heads, width, head_size)
-            keys, values = pool.gather(i, cross_index, sentences)
-            out = self.attend(grid, keys, values, cross_mask)
+            out = self.attend(grid, *cross[i], cross_mask)
             out = out.transpose(1, 2).flatten(0, 1).index_select(0, fold)[:, :, None]  # (rows, heads, 1, head_size)
             x = layer.cross_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))
             x = layer.ffn_norm.after(x, layer.ffn(layer.ffn_norm.before(x)))
         return model.project(model.decoder_norm(x))[:, 0]
+
+    def cross_keys_values(self, cross_slots: Tensor, key: object) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's encoder keys and values of the sentences at `cross_slots`, gathered. The
+        encoder's keys and values of a sentence never change, so while the same sentences run in
+        the same order (the caller's `key`, not None, names them) the last gather is used again."""
+        if key is None or self.cross[0] != key:
+            index, sentences = self.pool.head_major(cross_slots), cross_slots.size(0)
+            gathered = [self.pool.gather(i, index, sentences) for i in range(len(self.model.decoder_layers))]
+            self.cross = (key, gathered)
+        return self.cross[1]
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         if k.dtype != q.dtype:
@@ -243,10 +258,22 @@ def add_positions(positions, x: Tensor, at: Tensor) -> Tensor:
     raise TypeError(f"no paged positions for {type(positions).__name__}")
 
 
-def rotate(rotary, x: Tensor, at: Tensor) -> Tensor:
-    """Rotary positions of x (rows, heads, 1, head_size), each row at its own position `at`: the
-    reference's rotation, with the angles of each row's position."""
-    cos = rotary.cos.index_select(0, at)[:, None, None].to(x.dtype)  # (rows, 1, 1, head_size / 2)
-    sin = rotary.sin.index_select(0, at)[:, None, None].to(x.dtype)
+def turning(rotary, at: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | Tensor:
+    """The rotary angles of each row's position `at` (rows,), for `rotate`: the model's own
+    rotation (the reference's cos and sin, or for fast/model.py's complex product the complex
+    numbers cos + i sin), shaped to broadcast over (rows, heads, 1, head_size / 2)."""
+    cos = rotary.cos.index_select(0, at)[:, None, None].to(dtype)
+    sin = rotary.sin.index_select(0, at)[:, None, None].to(dtype)
+    if isinstance(rotary, FastRotary) and dtype in (torch.float32, torch.float64):
+        return torch.complex(cos, sin)
+    return cos, sin
+
+
+def rotate(turn: tuple[Tensor, Tensor] | Tensor, x: Tensor) -> Tensor:
+    """x (rows, heads, 1, head_size) turned by `turning`'s angles."""
+    if isinstance(turn, Tensor):
+        pairs = x.unflatten(-1, (-1, 2)).contiguous()
+        return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
+    cos, sin = turn
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
