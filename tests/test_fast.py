@@ -92,6 +92,20 @@ def test_fast_decoding_equals_the_reference(variant):
         assert [h.score for h in fast] == pytest.approx([h.score for h in ref], abs=1e-9)
 
 
+def test_cross_attention_caches_its_keys_and_values_contiguous():
+    """The source-side keys and values are made contiguous once, when they are cached: as views
+    of the projections, every later step's batched products would copy them again."""
+    model = make_model("fast")
+    src = random_tokens(3, 7)
+    src_mask = padding_mask(src, PAD)
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)[0]
+        state = model.new_state()
+        model.decode(torch.full((3, 1), BOS), memory, src_mask, state)
+    for layer in state.layers:
+        assert layer["cross"]["k"].is_contiguous() and layer["cross"]["v"].is_contiguous()
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_bf16_attention_on_cpu_agrees_with_fp32_with_and_without_gradients(grad):
     """bf16 on CPU takes the batched products, for decoding (one query here) and for training;

@@ -101,8 +101,8 @@ class FastMultiHeadAttention(MultiHeadAttention):
             # Contiguous, once: as views of the projections, the batched products of every later
             # step would copy them again to fold batch and heads together.
             dtype = torch.float32 if self.fp32_cross and k.dtype == torch.bfloat16 and k.is_cpu else k.dtype
-            k = k.to(dtype, memory_format=torch.contiguous_format)
-            v = v.to(dtype, memory_format=torch.contiguous_format)
+            # (`.to(memory_format=...)` would hand the view back unchanged when the dtype matches.)
+            k, v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
             state["k"], state["v"] = k, v
         elif state is not None:
             k, v = cache.append(state, "k", k, dim=2), cache.append(state, "v", v, dim=2)
