@@ -61,6 +61,11 @@ class Rotary(nn.Module):
         """x: (batch, heads, len, d_head), the tokens at positions offset, offset + 1, ..."""
         cos = self.cos[offset : offset + x.size(2)].to(x.dtype)
         sin = self.sin[offset : offset + x.size(2)].to(x.dtype)
+        return self.turn(x, cos, sin)
+
+    def turn(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Each feature pair of x turned by the angles whose cosines and sines are cos and sin
+        (d_head / 2 per position, broadcast over x's leading dimensions)."""
         x1, x2 = x[..., 0::2], x[..., 1::2]  # the pairs (x_2i, x_2i+1)
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 

@@ -78,12 +78,10 @@ class FastRotary(Rotary):
     same products as the reference's, in one kernel each way instead of strided slices, four
     real products and a stack. fp32 and fp64 only (torch has no bf16 complex numbers)."""
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def turn(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if x.dtype not in (torch.float32, torch.float64):
-            return super().forward(x, offset)
-        positions = slice(offset, offset + x.size(2))
-        turn = torch.complex(self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype))
+            return super().turn(x, cos, sin)
         pairs = x.unflatten(-1, (-1, 2))
         if pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-2]):
             pairs = pairs.contiguous()  # a complex view needs pairs that start at even offsets
-        return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
+        return torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin)).flatten(-2)

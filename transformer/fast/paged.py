@@ -29,7 +29,6 @@ from torch import Tensor
 
 from ..blocks import LearnedPositions, NoPositions, SinusoidalPositions
 from .attention import fast_attention
-from .model import FastRotary
 
 
 class PoolExhausted(RuntimeError):
@@ -203,7 +202,7 @@ class PagedDecoder:
         self_mask = (torch.arange(self_slots.size(1), device=x.device) < self_lengths[:, None])[:, None, None, :]
         cross_mask = (torch.arange(cross_slots.size(1), device=x.device) < cross_lengths[:, None])[:, None, None, :]
         self_index = pool.head_major(self_slots)
-        turn = None
+        turn = None  # the rotary angles of this step
         cross = self.cross_keys_values(cross_slots, cross_key)
         for i, layer in enumerate(model.decoder_layers):
             attn = layer.self_attn
@@ -211,9 +210,9 @@ class PagedDecoder:
             q = attn.split_heads(attn.w_q(h), attn.n_heads)  # (rows, heads, 1, head_size)
             k = attn.split_heads(attn.w_k(h), attn.n_kv_heads)
             v = attn.split_heads(attn.w_v(h), attn.n_kv_heads)
-            if attn.rotary is not None:
-                turn = turning(attn.rotary, positions, q.dtype) if turn is None else turn  # one rotary for all layers
-                q, k = rotate(turn, q), rotate(turn, k)
+            if attn.rotary is not None:  # one rotary for all layers: its angles once per step
+                turn = angles(attn.rotary, positions, q.dtype) if turn is None else turn
+                q, k = attn.rotary.turn(q, *turn), attn.rotary.turn(k, *turn)
             pool.keys[i].index_copy_(0, write_slots, k[:, :, 0].to(pool.keys.dtype))
             pool.values[i].index_copy_(0, write_slots, v[:, :, 0].to(pool.values.dtype))
             keys, values = pool.gather(i, self_index, tokens.size(0))
@@ -258,22 +257,8 @@ def add_positions(positions, x: Tensor, at: Tensor) -> Tensor:
     raise TypeError(f"no paged positions for {type(positions).__name__}")
 
 
-def turning(rotary, at: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | Tensor:
-    """The rotary angles of each row's position `at` (rows,), for `rotate`: the model's own
-    rotation (the reference's cos and sin, or for fast/model.py's complex product the complex
-    numbers cos + i sin), shaped to broadcast over (rows, heads, 1, head_size / 2)."""
-    cos = rotary.cos.index_select(0, at)[:, None, None].to(dtype)
-    sin = rotary.sin.index_select(0, at)[:, None, None].to(dtype)
-    if isinstance(rotary, FastRotary) and dtype in (torch.float32, torch.float64):
-        return torch.complex(cos, sin)
-    return cos, sin
-
-
-def rotate(turn: tuple[Tensor, Tensor] | Tensor, x: Tensor) -> Tensor:
-    """x (rows, heads, 1, head_size) turned by `turning`'s angles."""
-    if isinstance(turn, Tensor):
-        pairs = x.unflatten(-1, (-1, 2)).contiguous()
-        return torch.view_as_real(torch.view_as_complex(pairs) * turn).flatten(-2)
-    cos, sin = turn
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+def angles(rotary, at: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The cosines and sines of the rotary angles of each row's position `at` (rows,), shaped for
+    `rotary.turn` on (rows, heads, 1, head_size)."""
+    cos = rotary.cos.index_select(0, at)[:, None, None].to(dtype)  # (rows, 1, 1, head_size / 2)
+    return cos, rotary.sin.index_select(0, at)[:, None, None].to(dtype)
