@@ -133,20 +133,27 @@ def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: Decod
 
 
 def search_done(finished, scores: Tensor, max_len: Tensor, step: int, n_best: int, alpha: float) -> Tensor:
-    """(batch,) True where a sentence has reached its length limit, or has n_best finished
-    hypotheses and no live beam can beat the n_best-th best of them.
+    """(batch,) `sentence_done` for each sentence: finished hypotheses per sentence, scores
+    (batch, k) of its live beams, max_len (batch,)."""
+    done = torch.zeros(len(finished), dtype=torch.bool)
+    for sent, hyps in enumerate(finished):
+        done[sent] = sentence_done(hyps, float(scores[sent].max()), int(max_len[sent]), step, n_best, alpha)
+    return done
+
+
+def sentence_done(finished: list[Hypothesis], best_live: float, max_len: int, step: int, n_best: int, alpha: float) -> bool:  # fmt: skip
+    """Whether a sentence has reached its length limit, or has n_best finished hypotheses and no
+    live beam (the best of them has log-probability best_live) can beat the n_best-th best.
 
     Log-probabilities only fall as a hypothesis grows, so a live beam's best reachable score is
     its log-probability divided by the largest length penalty it can still get.
     """
-    done = torch.zeros(len(finished), dtype=torch.bool)
-    for sent, hyps in enumerate(finished):
-        if step + 1 >= int(max_len[sent]):
-            done[sent] = True
-        elif len(hyps) >= n_best:
-            nth_best = sorted(h.score for h in hyps)[-n_best]
-            done[sent] = float(scores[sent].max()) / length_penalty(int(max_len[sent]), alpha) <= nth_best
-    return done
+    if step + 1 >= max_len:
+        return True
+    if len(finished) < n_best:
+        return False
+    nth_best = sorted(h.score for h in finished)[-n_best]
+    return best_live / length_penalty(max_len, alpha) <= nth_best
 
 
 def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor, Tensor]:

@@ -29,7 +29,7 @@ from ..batching import pad
 from ..devices import autocast_dtype
 from ..fast.paged import BlockPool, PagedDecoder
 from ..model import padding_mask
-from .beam import best_extensions, length_penalty, stay_in_place
+from .beam import best_extensions, length_penalty, sentence_done, stay_in_place
 from .config import DecodeConfig
 from .search import Hypothesis, argmax, max_lengths, strip_special
 
@@ -326,14 +326,9 @@ class Engine:
                 self.pool.release(row.table)
 
     def beam_done(self, sentence: Sentence, live_scores: list[float]) -> bool:
-        """decoding/beam.py's `search_done` for one sentence."""
-        n_best, alpha = sentence.settings.n_best, sentence.settings.length_penalty
-        if sentence.step + 1 >= sentence.max_len:
-            return True
-        if len(sentence.finished) < n_best:
-            return False
-        nth_best = sorted(h.score for h in sentence.finished)[-n_best]
-        return max(live_scores) / length_penalty(sentence.max_len, alpha) <= nth_best
+        """decoding/beam.py's stopping rule for one sentence."""
+        settings = sentence.settings
+        return sentence_done(sentence.finished, max(live_scores), sentence.max_len, sentence.step, settings.n_best, settings.length_penalty)  # fmt: skip
 
 
 def unsupported_settings(decode: DecodeConfig) -> str | None:
