@@ -18,7 +18,8 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     decode=beam|greedy|sample, decode.*   as for translate.py (default: beam search, beam 5)
 A many-to-many checkpoint (data.directions) translates into tgt_lang= (by default the language of
 the reference file); all_directions=true scores every pair of its languages that the split has,
-trained or zero-shot, and prints a table with their means.
+trained or zero-shot, and prints a table with their means (it takes no src=, ref=, src_lang=,
+tgt_lang=, output= or compare=).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from transformer.monitoring import progress_bar
 from transformer.significance import compare
 from transformer.translator import Translator
 
+# What all_directions=true has no use for: it reads split= in every language and names its own outputs.
+NOT_WITH_ALL_DIRECTIONS = ("src", "ref", "src_lang", "tgt_lang", "output", "compare")
+
 
 @dataclass
 class EvaluateConfig(ScoringInputs):
@@ -52,6 +56,9 @@ class EvaluateConfig(ScoringInputs):
     def __post_init__(self) -> None:
         if self.compare_seed < 1:  # sacreBLEU reads a seed of 0 as "no seed"
             raise ValueError(f"compare_seed={self.compare_seed} must be >= 1")
+        given = [key for key in NOT_WITH_ALL_DIRECTIONS if getattr(self, key) is not None]
+        if self.all_directions and given:
+            raise ValueError(f"all_directions=true scores every direction of split= into files of its own: it cannot be used with {given[0]}=")  # fmt: skip
 
 
 def main(argv: list[str]) -> None:

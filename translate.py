@@ -9,7 +9,7 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     ensemble=[PATH,...]        more checkpoints with the same tokenizer; probabilities are averaged
     input=PATH output=PATH     default: stdin and stdout
     chunk_lines=2000           lines read, translated and written at a time: memory stays bounded
-                               and output follows a pipe as its lines arrive
+                               and output follows a pipe as its lines arrive (scheduler=chunks)
     interactive=true           translate each line as it arrives (the default when stdin is a terminal)
     scheduler=chunks|continuous
                                continuous: each line joins the running batch at the next decoding
@@ -57,6 +57,8 @@ from transformer.translator import Translator
 
 log = logging.getLogger("translate")
 
+CHUNK_LINES = 2000  # scheduler=chunks reads this many lines at a time unless chunk_lines= says
+
 
 @dataclass
 class TranslateConfig:
@@ -65,7 +67,7 @@ class TranslateConfig:
     input: Optional[str] = None
     output: Optional[str] = None
     device: str = "auto"
-    chunk_lines: int = 2000
+    chunk_lines: Optional[int] = None  # None: CHUNK_LINES; set, it cannot go with scheduler=continuous
     interactive: bool = False
     prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
     constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
@@ -77,12 +79,14 @@ class TranslateConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def __post_init__(self) -> None:
-        if self.chunk_lines < 1:
+        if self.chunk_lines is not None and self.chunk_lines < 1:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
         if self.scheduler not in ("chunks", "continuous"):
             raise ValueError(f"scheduler={self.scheduler!r} is not one of ('chunks', 'continuous')")
         if not 0 < self.pool_mib < math.inf:
             raise ValueError(f"pool_mib={self.pool_mib} must be > 0 and finite")
+        if self.scheduler == "continuous" and self.chunk_lines is not None:
+            raise ValueError("scheduler=continuous reads each line as it arrives: it cannot be used with chunk_lines=")
         if self.scheduler == "continuous":
             for key in ("prefix", "constraints", "pivot", "decode.alignment"):
                 value = self.decode.alignment if key == "decode.alignment" else getattr(self, key)
@@ -104,7 +108,7 @@ def input_chunks(cfg: TranslateConfig, size: int | None = None) -> Iterator[list
     terminal = cfg.input is None and sys.stdin.isatty()
     if terminal:
         log.info("type one sentence per line; Ctrl-D ends")
-    size = size or (1 if cfg.interactive or terminal else cfg.chunk_lines)
+    size = size or (1 if cfg.interactive or terminal else cfg.chunk_lines or CHUNK_LINES)
     return line_chunks(None if cfg.input is None else Path(cfg.input), size)
 
 

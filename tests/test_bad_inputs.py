@@ -93,6 +93,21 @@ def blobs(trained, tmp_path_factory) -> dict[str, bytes]:
 
 
 DIR = object()  # a file spec that makes a directory
+
+
+class RunsCode:
+    """Unpickled, this would call os.system: what a checkpoint that runs code when loaded holds."""
+
+    def __reduce__(self):
+        return os.system, ("echo this checkpoint ran code",)
+
+
+def saved(payload) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
 METRICS = b'{"step": 4, "valid_loss": 5.0, "valid_bleu": 0.1, "train_minutes": 0.1}\n'
 SRC, REF = b"Ein Hund.\nZwei Katzen.\n", b"A dog.\nTwo cats.\n"
 TEXT = {"in.de": SRC, "src.de": SRC, "ref.en": REF}
@@ -145,7 +160,7 @@ CASES = [
     Case(T, f"{CKPT} input={{d}}/in.de output=/dev/full", "cannot write /dev/full: No space left on device"),
     Case(T, f"{CKPT} input={{d}}/adir", "cannot read {d}/adir", {"adir": DIR}),
     Case(E, f"{CKPT} src={{d}}/src.de ref={{d}}/adir.en", "cannot read {d}/adir.en", {"adir.en": DIR}),
-    # 4. checkpoints that the safe loader reads but that cannot be used
+    # 4. checkpoints that the safe loader refuses, or reads but that cannot be used
     Case(T, "checkpoint={d}/adir", "{d}/adir is a directory, not a checkpoint file", {"adir": DIR}),
     Case(T, "checkpoint={d}/missing.pt", "{d}/missing.pt does not exist"),
     Case(T, "checkpoint={d}/no_model_config.pt", "{d}/no_model_config.pt is damaged: it has no 'model_config'"),
@@ -167,6 +182,7 @@ CASES = [
     Case("scripts/analyze_heads.py", "checkpoint={d}/no_train_config.pt", "{d}/no_train_config.pt has no train_config"),
     Case("scripts/convert_to_gqa.py", "checkpoint={d}/no_train_config.pt", "{d}/no_train_config.pt has no train_config"),
     Case("benchmarks/benchmark_decoding.py", "checkpoint={d}/adir", "{d}/adir is a directory", {"adir": DIR}),
+    Case(T, "checkpoint={d}/code.pt", "{d}/code.pt was refused as unsafe", {"code.pt": saved({"format_version": 1, "x": RunsCode()})}, stdin=SRC),  # fmt: skip
     # 5. bytes on standard input that are not UTF-8
     Case(T, CKPT, "standard input:2: line is not valid UTF-8", stdin=b"Ein Hund.\n\xff\xfe\n"),
     Case(T, CKPT, "standard input:1: line is not valid UTF-8", stdin="Grüße\n".encode("latin-1")),
@@ -196,6 +212,14 @@ CASES = [
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/short.en ref={d}/ref.en", "line counts differ: {d}/short.en has 1 lines, {d}/ref.en has 2", {"short.en": b"A dog.\n"}),  # fmt: skip
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en", "missing ref=... (see --help)"),
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en ref={d}/ref.en seed=0", "seed=0 must be >= 1"),  # fmt: skip
+    # 8. options the chosen mode has no use for: refused, not ignored (even at their default value)
+    Case(T, f"{CKPT} scheduler=continuous chunk_lines=2000", "it cannot be used with chunk_lines=", stdin=SRC),
+    Case(E, f"{CKPT} all_directions=true compare={{d}}/ref.en", "it cannot be used with compare="),
+    Case(E, f"{CKPT} all_directions=true output={{d}}/out.hyp", "it cannot be used with output="),
+    Case(E, f"{SCORE} all_directions=true", "it cannot be used with src="),
+    Case(E, f"{CKPT} all_directions=true ref={{d}}/ref.en", "it cannot be used with ref="),
+    Case(E, f"{CKPT} all_directions=true src_lang=de", "it cannot be used with src_lang="),
+    Case(E, f"{CKPT} all_directions=true tgt_lang=en", "it cannot be used with tgt_lang="),
 ]  # fmt: skip
 
 

@@ -1,5 +1,6 @@
 """Checkpoints: a save -> load round trip gives identical outputs; bad files are refused clearly."""
 
+import os
 import pickle
 
 import pytest
@@ -49,8 +50,37 @@ class NotATensor:
 def test_arbitrary_pickled_objects_are_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"format_version": checkpoint.FORMAT_VERSION, "payload": NotATensor()}, path)
-    with pytest.raises(CheckpointError, match="not a safe checkpoint"):
+    with pytest.raises(CheckpointError, match="refused as unsafe.*NotATensor"):
         checkpoint.load(path)
+
+
+class RemovesAFile:
+    """Unpickled, this calls os.remove(victim): a checkpoint that runs code when loaded."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __reduce__(self):
+        return os.remove, (str(self.victim),)
+
+
+def test_a_checkpoint_that_runs_code_is_refused_without_advice_to_load_it_unsafely(tmp_path):
+    """torch's message says re-running torch.load with weights_only=False "will likely succeed":
+    for a file that asks to run code, that is the one thing not to do. The error names the file,
+    says why it was refused, and the code did not run."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    path = tmp_path / "code.pt"
+    torch.save({"format_version": checkpoint.FORMAT_VERSION, "payload": RemovesAFile(victim)}, path)
+    text = tmp_path / "notes.pt"  # not a pickle at all: torch's message carries the same advice
+    text.write_text("not a checkpoint\n")
+    for bad, why in ((path, "was refused as unsafe: it asks to run code when loaded"), (text, "is not a")):
+        with pytest.raises(CheckpointError) as refused:
+            checkpoint.load(bad)
+        message = str(refused.value)
+        assert message.startswith(f"{bad} {why}") and "\n" not in message
+        assert "weights_only" not in message and "will likely succeed" not in message
+    assert victim.read_text() == "keep me\n"
 
 
 def test_truncated_foreign_and_missing_files_are_refused(tmp_path, tokenizer):

@@ -224,7 +224,7 @@ def bad_input_cases(run_dir: Path, tmp: Path) -> list[tuple[list[str], str, list
         (["translate.py", f"checkpoint={tmp / 'missing.pt'}"], "Hallo\n", ["missing.pt", "does not exist"]),
         (["translate.py", f"checkpoint={truncated}"], "Hallo\n", ["truncated.pt", "not a readable checkpoint"]),
         (["translate.py", f"checkpoint={old_format}"], "Hallo\n", ["old.pt", "format version 0"]),
-        (["translate.py", f"checkpoint={pickled}"], "Hallo\n", ["pickled.pt", "not a safe checkpoint"]),
+        (["translate.py", f"checkpoint={pickled}"], "Hallo\n", ["pickled.pt", "was refused as unsafe"]),
         (["translate.py", f"checkpoint={best}", f"input={tmp / 'nothing.de'}"], "", ["nothing.de"]),
         (["translate.py", f"checkpoint={best}", "decode.beam_size=many"], "", ["decode.beam_size"]),
         (["translate.py", f"checkpoint={best}", "decode.strategy=best"], "", ["decode.strategy"]),

@@ -215,6 +215,26 @@ def test_evaluate_scores_every_direction_trained_and_zero_shot(many, corpus):
 
 
 @pytest.mark.e2e
+def test_evaluate_all_directions_refuses_the_options_of_one_direction(tmp_path):
+    """all_directions=true reads split= in every language and names its own outputs: src=, ref=,
+    src_lang=, tgt_lang=, output= and compare= would be ignored, so each stops it before anything
+    is translated or written."""
+    path = build_checkpoint(tmp_path / "many.pt", directions=("de-en", "en-de"))
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus, "val", {lang: multi30k("val", lang, 3) for lang in ("de", "en")})
+    (tmp_path / "base.en").write_text("".join(s + "\n" for s in multi30k("val", "en", 3)))
+    before = sorted(tmp_path.rglob("*"))
+    scoring = [f"checkpoint={path}", "all_directions=true", "split=val", f"data_dir={corpus}", "decode=greedy", *SHORT]
+    for given in (f"compare={tmp_path / 'base.en'}", f"output={tmp_path / 'out.hyp'}", f"src={corpus / 'val.de.gz'}",
+                  f"ref={corpus / 'val.en.gz'}", "src_lang=de", "tgt_lang=en"):  # fmt: skip
+        result = run("evaluate.py", *scoring, given)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert len(errors) == 1 and errors[0].endswith(f"it cannot be used with {given.split('=')[0]}=")
+    assert sorted(tmp_path.rglob("*")) == before  # no hypotheses written
+
+
+@pytest.mark.e2e
 def test_the_server_translates_into_the_requested_language(many):
     path = many / "checkpoint_best.pt"
     sources = multi30k("val", "de", 3)

@@ -7,6 +7,7 @@ Everything in it is a tensor or a plain Python value, so it loads with
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import asdict
 from pathlib import Path
 
@@ -75,8 +76,7 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        first_line = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{path} is not a safe checkpoint (refused to unpickle: {first_line})") from None
+        raise refused(path, e) from None
     except Exception as e:  # a foreign or damaged file can fail inside the unpickler in many ways
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or "format_version" not in payload:
@@ -85,6 +85,25 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> dict:
         raise CheckpointError(f"{path} has format version {payload['format_version']}, expected {FORMAT_VERSION}")
     check_entries(payload, path)
     return payload
+
+
+def refused(path: Path, error: pickle.UnpicklingError) -> CheckpointError:
+    """The safe loader refused `path`: why, in one line, without torch's advice to load it again
+    with weights_only=False, which runs whatever code the file names. Every checkpoint this toolkit
+    has written loads safely, so there is no trusted older format to offer a way around it for."""
+    message = str(error)
+    code = re.search(r"GLOBAL ([\w.]+)", message)  # the function or class it would import and call
+    if code:
+        return CheckpointError(
+            f"{path} was refused as unsafe: it asks to run code when loaded ({code[1]}), which no"
+            " checkpoint of this toolkit does. It cannot be loaded; whoever made it should re-create it"
+            " with train.py or convert it to this toolkit's format"
+        )
+    if "weights_only" not in message:  # the pickle data itself is broken
+        return CheckpointError(f"{path} is not a readable checkpoint ({first_line(error)})")
+    opcode = re.search(r"Unsupported operand \S+", message)
+    detail = f": {opcode[0].lower()}" if opcode else ""
+    return CheckpointError(f"{path} is not a checkpoint of this toolkit (the safe loader cannot read it{detail})")
 
 
 def check_entries(payload: dict, path: Path) -> None:
