@@ -2,7 +2,9 @@
 # make train: the default recipe (Multi30k de->en): train, evaluate on the test sets, show samples.
 # make test:  the import contracts (lint-imports), then the test suite.
 # make test-isa: the fast paths' and decoding's tests again under lower instruction sets (AVX2, AVX-512 without
-#             VNNI, AVX-512 with BF16 and no AMX), as on other CPUs; CI runs it after make test.
+#             VNNI, AVX-512 with BF16 and no AMX), as on other CPUs; ISA_SETTINGS=avx2,... picks some.
+# make test-avx2: the whole suite under the AVX2 setting (most laptops, AMD Zen 2/3). CI runs make test,
+#             make test-avx2, then make test-isa under the other settings.
 # make lint:  ruff and the import contracts.
 # make bench: speed against peer implementations (installs transformers for the HF baseline).
 PYTHON ?= python3
@@ -10,7 +12,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-isa lint bench
+ISA_SETTINGS ?= avx512_core_bf16,avx512_core,avx2
+
+.PHONY: setup train test test-isa test-avx2 lint bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -30,7 +34,11 @@ test: setup
 
 # The tests marked isa, once per setting of tests/isa_matrix.py; prints each one's time and the kernels that ran.
 test-isa: setup
-	$(BIN)/python -m tests.isa_matrix
+	$(BIN)/python -m tests.isa_matrix settings=$(ISA_SETTINGS)
+
+# The whole suite (not only the isa tests) with ATen, oneDNN, MKL and CTranslate2 kept to AVX2.
+test-avx2: setup
+	$(BIN)/python -m tests.isa_matrix settings=avx2 tests=all
 
 # Training throughput against torch.nn.Transformer and HF MarianMT, then decoding with and without the cache.
 bench: setup

@@ -3,11 +3,14 @@ path against its reference, the decoding equalities, the kernels each CPU-depend
 runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
 through their own switches (ISA_LIMITS in transformer/devices.py): oneDNN's
 ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's MKL_ENABLE_INSTRUCTIONS. A limit above
-what the CPU has changes nothing (the kernels listed show it). Prints each setting's result,
-time and kernels; exits 1 if any setting failed.
+what the CPU has changes nothing (the kernels listed show it). Each setting proves it took
+effect: tests/test_isa_limits.py checks ATen's capability and CTranslate2's ISA against the
+limit, tests/test_kernels.py every oneDNN kernel's ISA, and a setting whose report lacks those
+lines fails. Prints each setting's result, time and kernels; exits 1 if any setting failed.
 
     python -m tests.isa_matrix                       # every setting
     python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
+    python -m tests.isa_matrix settings=avx2 tests=all   # the whole suite, not only the isa tests
 """
 
 from __future__ import annotations
@@ -32,12 +35,18 @@ SETTINGS = {
 }
 
 
-def run_setting(name: str, pytest_args: list[str]) -> tuple[bool, float, list[str], str]:
-    """(passed, seconds, kernel lines, pytest's last line) of the isa tests under one setting."""
+# The lines a setting's report must hold to show that its limits took effect (tests/test_isa_limits.py).
+PROOFS = ("ATen: ", "CTranslate2: ")
+
+
+def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> tuple[bool, float, list[str], str]:
+    """(passed, seconds, kernel lines, pytest's last line) of the isa tests (every test with
+    `everything`) under one setting."""
     limits = ISA_LIMITS[name]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        command = [sys.executable, "-m", "pytest", "-m", "isa", "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
+        marker = [] if everything else ["-m", "isa"]
+        command = [sys.executable, "-m", "pytest", *marker, "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
         start = time.monotonic()
         done = subprocess.run(command, cwd=ROOT, env={**os.environ, **limits}, capture_output=True, text=True)
         seconds = time.monotonic() - start
@@ -47,22 +56,33 @@ def run_setting(name: str, pytest_args: list[str]) -> tuple[bool, float, list[st
     output = done.stdout.strip().splitlines()
     if done.returncode != 0:
         print(done.stdout[-20000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
-    return done.returncode == 0, seconds, sorted(kernels), output[-1] if output else ""
+    missing = [p.strip(": ") for p in PROOFS if not any(k.startswith(p) for k in kernels)]
+    if missing and done.returncode == 0:
+        print(f"{name}: no proof that the limits took effect for {', '.join(missing)} (tests/test_isa_limits.py did not run?)", file=sys.stderr)  # fmt: skip
+    return done.returncode == 0 and not missing, seconds, sorted(kernels), output[-1] if output else ""
 
 
 def main(argv: list[str]) -> int:
     pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     options = dict(a.split("=", 1) for a in (argv[: argv.index("--")] if "--" in argv else argv))
+    if set(options) - {"settings", "tests"}:
+        print(f"error: {sorted(set(options) - {'settings', 'tests'})[0]}= unknown; the options are settings= and tests=", file=sys.stderr)  # fmt: skip
+        return 2
     names = options.get("settings", ",".join(SETTINGS)).split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         print(f"error: settings={','.join(unknown)} unknown; choose from {','.join(SETTINGS)}", file=sys.stderr)
         return 2
+    if options.get("tests", "isa") not in ("isa", "all"):
+        print(f"error: tests={options['tests']} unknown; choose from isa,all", file=sys.stderr)
+        return 2
+    everything = options.get("tests") == "all"
     failed = []
     for name in names:
         what, limits = SETTINGS[name], ISA_LIMITS[name]
-        passed, seconds, kernels, summary = run_setting(name, pytest_args)
-        print(f"== {name} ({what}): {' '.join(f'{k}={v}' for k, v in limits.items())}")
+        passed, seconds, kernels, summary = run_setting(name, pytest_args, everything)
+        tests = "every test" if everything else "the isa tests"
+        print(f"== {name} ({what}), {tests}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
         print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")
         for line in kernels:
             print(f"   kernels: {line}")

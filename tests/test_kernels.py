@@ -4,10 +4,14 @@ implementations (`ref...`), which are correct but can be hundreds of times slowe
 are read from oneDNN's verbose output; each test records the ones it saw, and the run's summary
 lists them (tests/conftest.py), so a report from any CPU says which kernels ran."""
 
+import os
+import re
+
 import pytest
 import torch
 from torch import nn
 
+import transformer.fast.int8
 from transformer.devices import cpu_has_bf16_matmul
 from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8
 from transformer.fast.linear import AVAILABLE, FastLinear
@@ -32,9 +36,34 @@ def onednn_kernels(capfd, fn) -> list[str]:
     return sorted(kernels)
 
 
+# oneDNN's instruction sets on x86, lowest first, as its kernels are named ("brg_matmul:avx512_core_vnni")
+# and as ONEDNN_MAX_CPU_ISA spells them (upper case).
+ONEDNN_ISAS = ["sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni",
+               "avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16"]  # fmt: skip
+
+
+def kernel_isa(kernel: str) -> str | None:
+    """The instruction set in a kernel's implementation name, or None for one that names none."""
+    names = re.findall(r"(?:sse41|avx512_core(?:_amx_fp16|_amx|_fp16|_bf16|_vnni)?|avx2(?:_vnni_2|_vnni)?|avx)(?![a-z0-9_])", kernel)  # fmt: skip
+    return max(names, key=ONEDNN_ISAS.index) if names else None
+
+
 def check(kernels: list[str], record_property, path: str) -> None:
+    """No reference kernel, and none beyond the instruction set ONEDNN_MAX_CPU_ISA allows: a limit
+    the library ignored fails here instead of passing on native kernels."""
     record_property("kernels", f"{path}: {'; '.join(kernels) or 'none from oneDNN'}")
     assert not [k for k in kernels if " ref" in k], f"{path} ran oneDNN's reference kernel: {kernels}"
+    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
+    if limit in ONEDNN_ISAS:
+        beyond = [k for k in kernels if ONEDNN_ISAS.index(kernel_isa(k) or "sse41") > ONEDNN_ISAS.index(limit)]
+        assert not beyond, f"{path} ran kernels beyond ONEDNN_MAX_CPU_ISA={limit.upper()}: {beyond}"
+
+
+def test_kernel_names_give_their_instruction_set():
+    assert kernel_isa("matmul brg_matmul:avx512_core_vnni (u8 x s8)") == "avx512_core_vnni"
+    assert kernel_isa("inner_product brg_matmul:avx2 (f32 x f32)") == "avx2"
+    assert kernel_isa("inner_product brgemm:avx512_core_amx (bf16 x bf16)") == "avx512_core_amx"
+    assert kernel_isa("matmul gemm:jit (f32 x f32)") is None
 
 
 def test_fp32_linear_layers_run_optimized_kernels(capfd, record_property):
@@ -61,7 +90,9 @@ def test_fp32_linear_layers_run_optimized_kernels(capfd, record_property):
     check(kernels, record_property, f"fp32 linear training (runtime.onednn_linear=null: {library})")
     assert bool(kernels) == runtime.onednn  # BLAS leaves oneDNN idle
     layer.adopt(RuntimeConfig(onednn_linear=True))
-    check(onednn_kernels(capfd, train), record_property, "fp32 linear training (runtime.onednn_linear=true)")
+    kernels = onednn_kernels(capfd, train)
+    check(kernels, record_property, "fp32 linear training (runtime.onednn_linear=true)")
+    assert kernels, "runtime.onednn_linear=true trained on BLAS"
     layer.adopt(RuntimeConfig(onednn_linear=False))
     assert not onednn_kernels(capfd, infer), "runtime.onednn_linear=false still ran oneDNN at inference"
 
@@ -91,10 +122,21 @@ def test_int8_layers_run_optimized_kernels_or_stay_fp32(capfd, record_property):
     decision = f"start-up check: {describe({shape: kernel_plan(RuntimeConfig().onednn_inference, shape)})}"
     if levels is None:
         record_property("kernels", f"int8 linear: not used; {decision}")
-        assert type(quantize_int8(nn.Sequential(nn.FastLinear(64, 96)))[0]) is nn.Linear
+        assert type(quantize_int8(nn.Sequential(FastLinear(64, 96)))[0]) is FastLinear
         return
     layer = Int8Linear(nn.Linear(*shape), levels)
     with torch.no_grad():
         kernels = onednn_kernels(capfd, lambda: layer(torch.randn(12, shape[0])))
     check(kernels, record_property, f"int8 linear, weights in [-{levels}, {levels}]; {decision}")
     assert kernels and all("(u8 x s8)" in k for k in kernels)
+
+
+def test_where_int8_products_are_not_exact_the_layers_stay_fp32(monkeypatch):
+    """The other branch of the test above, whatever this CPU's int8 products do."""
+    monkeypatch.setattr(transformer.fast.int8, "exact_weight_levels", lambda: None)
+    kernel_plan.cache_clear()
+    try:
+        layers = quantize_int8(nn.Sequential(FastLinear(64, 96), nn.Linear(96, 32)))
+    finally:
+        kernel_plan.cache_clear()
+    assert [type(layer) for layer in layers] == [FastLinear, nn.Linear]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import transformer.fast.linear
-from transformer.devices import ISA_LIMITS, ONEDNN_ISAS_BELOW_AVX512
+from transformer.devices import ISA_LIMITS, ONEDNN_ISAS_BELOW_AVX512, cpu_flags
 from transformer.fast import accelerate
 from transformer.fast.linear import AVAILABLE, CACHE_CAPACITY, CACHE_VARIABLES, FastLinear, linear
 from transformer.model import ModelConfig, Transformer
@@ -88,8 +88,12 @@ def test_onednn_products_are_chosen_where_avx512_runs_unless_the_config_says():
     """runtime.onednn_linear=null (the default) turns the oneDNN path on for training only where
     torch runs AVX-512 kernels and for inference everywhere; in a process kept to AVX2 training
     products stay on BLAS, and bf16 autocast is not chosen."""
-    onednn_avx512 = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() not in ONEDNN_ISAS_BELOW_AVX512
-    assert RuntimeConfig().onednn == (torch.backends.cpu.get_cpu_capability() == "AVX512" and onednn_avx512)
+    # From the CPU's own flags and the limits set, not from what torch reports: AVX-512 runs where
+    # the CPU has it (torch asks for F, BW, VL and DQ) and neither ATen nor oneDNN is kept below it.
+    has_avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()
+    aten_limited = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2")
+    onednn_limited = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_BELOW_AVX512
+    assert RuntimeConfig().onednn == (has_avx512 and not aten_limited and not onednn_limited)
     code = (
         "from transformer.runtime import RuntimeConfig as R; from transformer.devices import cpu_has_bf16_matmul as b;"
         "print(R().onednn, R(onednn_linear=True).onednn, R(onednn_linear=False).onednn, b(),"
