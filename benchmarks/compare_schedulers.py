@@ -7,6 +7,9 @@ load_test.py's throughput and latency, the errors, and the server's peak residen
 Arguments (key=value): checkpoint, input (sentences, one per line), clients, seconds,
 schedulers=[request,continuous], serve=['KEY=VALUE',...] (more serve.py arguments, each quoted),
 output. Prints one table row per scheduler and client count, and the ratios continuous / request.
+A server that serves with another scheduler than it was asked for (continuous batching falls back
+to request for the models and settings it cannot run: /health says which and why) is one error
+line and exit status 1, before anything is measured.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+import httpx
 
 from common import hardware
 from load_test import LoadTestConfig, load
@@ -83,6 +88,10 @@ def main(argv: list[str]) -> None:
         if not server.ready.wait(300) or server.url is None:
             server.stop()
             sys.exit(f"error: serve.py limits.scheduler={scheduler} did not start")
+        problem = scheduler_problem(server.url, scheduler)
+        if problem:
+            server.stop()
+            sys.exit(f"error: {problem}")
         try:
             for clients in cfg.clients:
                 load_cfg = LoadTestConfig(input=cfg.input, url=server.url, clients=clients, seconds=cfg.seconds)
@@ -100,6 +109,16 @@ def main(argv: list[str]) -> None:
         atomic_write_text(
             output, json.dumps({"hardware": hardware(), "config": asdict(cfg), "rows": rows}, indent=2) + "\n"
         )
+
+
+def scheduler_problem(url: str, asked: str) -> str | None:
+    """None when the server at `url` serves with the scheduler asked for; otherwise which one it
+    serves with and why (its /health), since its numbers would be the other scheduler's."""
+    health = httpx.get(url + "/health", timeout=60).json()
+    if health["scheduler"] == asked:
+        return None
+    why = health.get("scheduler_fallback", "/health gives no reason")
+    return f"serve.py was asked for limits.scheduler={asked} but serves with scheduler={health['scheduler']} ({why}); no numbers measured"  # fmt: skip
 
 
 def print_row(row: dict) -> None:

@@ -1,6 +1,6 @@
 """What the serving tests share: a small checkpoint built in the test (a tokenizer trained on a
 slice of Multi30k, a model with sharpened random weights so translations end at varied lengths)
-and serve.py running in a subprocess on a free port."""
+serve.py running in a subprocess on a free port, and the checkpoint loaded in this process."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 from transformer import checkpoint
+from transformer.decoding import DecodeConfig
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
+from transformer.translator import Translator
 
 from .conftest import DATA, ROOT
 
@@ -43,6 +45,12 @@ def build_checkpoint(path: Path, seed: int = 0, directions: tuple[str, ...] = ()
     train_config = {"data": {"src_lang": "de", "tgt_lang": "en", "directions": list(directions)}}
     checkpoint.save(path, model, tokenizer, train_config, step=1)
     return path
+
+
+def loaded_translator(model_path: Path) -> Translator:
+    """The checkpoint's model in this process (the reference runtime), with short translations."""
+    model, tokenizer, _ = checkpoint.load_model(model_path, torch.device("cpu"))
+    return Translator(model, tokenizer, "cpu", DecodeConfig(max_len_a=0.5, max_len_b=6))
 
 
 class Server:

@@ -2,7 +2,9 @@
 (decoding/engine.py): block tables, forks and copy-on-write; a step over sequences at different
 positions gives the reference model's own incremental logits; sentences that join and leave a
 running batch get translate_ids' translations, greedy and beam, for the model variants the
-engine runs; a full pool makes sentences wait; a cancelled sentence gives its blocks back."""
+engine runs (the default recipe's block among them), and under bf16 too; a full pool makes
+sentences wait; a cancelled sentence gives its blocks back; a sentence whose encoder pass fails
+leaves with its blocks returned while the batch runs on."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import torch
 
 from transformer.decoding import DecodeConfig
-from transformer.decoding.engine import Engine, Sentence
+from transformer.decoding.engine import AdmissionFailed, Engine, Sentence
 from transformer.fast import accelerate
 from transformer.fast.paged import BlockPool, PagedDecoder
 from transformer.model import padding_mask
@@ -20,12 +22,36 @@ from transformer.translator import Translator
 from .briefly_trained import multi30k_corpus, trained_model
 from .conftest import make_model, random_tokens
 
-VARIANTS = [{}, {"positional": "rope", "norm_first": True}, {"positional": "learned", "n_kv_heads": 2}]
+RECIPE = {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True}  # model=small_modern
+VARIANTS = [
+    {},
+    {"positional": "rope", "norm_first": True},
+    {"positional": "learned", "n_kv_heads": 2},
+    RECIPE,
+    {**RECIPE, "n_kv_heads": 2},
+]
+VARIANT_IDS = ["paper", "rope-prenorm", "learned-gqa", "recipe", "recipe-gqa"]
 
 
 @pytest.fixture(scope="module")
 def corpus():
     return multi30k_corpus()
+
+
+@pytest.fixture(scope="module")
+def accelerated(corpus):
+    """trained_model(corpus, variant, steps=60) with the default runtime's speed paths, trained
+    once per variant for the tests of this module that only read it."""
+    models = {}
+
+    def get(variant: dict):
+        key = repr(sorted(variant.items()))
+        if key not in models:
+            model, tokenizer = trained_model(corpus, variant, steps=60)
+            models[key] = accelerate(model, RuntimeConfig()), tokenizer
+        return models[key]
+
+    return get
 
 
 def test_blocks_are_shared_by_forks_and_copied_on_write():
@@ -47,7 +73,8 @@ def test_blocks_are_shared_by_forks_and_copied_on_write():
     assert pool.reserve(6) and not pool.reserve(1)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["paper", "rope-prenorm", "learned-gqa"])
+@pytest.mark.isa
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("runtime", ["reference", "fast"])
 def test_a_step_over_rows_at_different_positions_gives_the_reference_logits(variant, runtime):
     """Two sentences decoded by the reference incrementally, one of them starting two steps later
@@ -110,11 +137,11 @@ def run_engine(engine: Engine, sources, settings, join_every: int = 2) -> list:
     return out
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=["paper", "rope-prenorm", "learned-gqa"])
+@pytest.mark.isa
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_sentences_joining_a_running_batch_get_translate_ids_translations(corpus, variant, strategy):
-    model, tokenizer = trained_model(corpus, variant, steps=60)
-    accelerate(model, RuntimeConfig())
+def test_sentences_joining_a_running_batch_get_translate_ids_translations(accelerated, corpus, variant, strategy):
+    model, tokenizer = accelerated(variant)
     settings = DecodeConfig(strategy=strategy, beam_size=4, n_best=2 if strategy == "beam" else 1)
     translator = Translator(model, tokenizer, "cpu", settings)
     sources = translator.encode(corpus[0][:10])
@@ -125,6 +152,24 @@ def test_sentences_joining_a_running_batch_get_translate_ids_translations(corpus
     for hyps, ref in zip(got, expected):
         assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
     assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks)) and engine.pool.promised == 0
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_bf16_continuous_batching_gets_the_corpus_decoders_bf16_translations(accelerated, corpus, strategy):
+    """Under decode.precision=bf16 with runtime.fp32_cross (the default) the corpus decoder attends
+    to the encoder's keys and values in fp32; the paged step must too, or its scores part from
+    the corpus decoder's (and then its beams and translations)."""
+    model, tokenizer = accelerated({})
+    settings = DecodeConfig(strategy=strategy, beam_size=4, n_best=2 if strategy == "beam" else 1, precision="bf16")
+    translator = Translator(model, tokenizer, "cpu", settings)
+    sources = translator.encode(corpus[0][:6])
+    expected = translator.translate_ids(sources, settings)
+    got = run_engine(Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4), sources, settings)
+    assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in expected]
+    for hyps, ref in zip(got, expected):
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
+        assert [h.log_prob for h in hyps] == pytest.approx([h.log_prob for h in ref], abs=1e-4)
 
 
 def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
@@ -168,3 +213,32 @@ def test_a_cancelled_sentence_leaves_and_gives_its_blocks_back(corpus):
     while engine.busy:
         engine.step(4096)
     assert len(answered) == 1 and sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+
+
+def test_a_sentence_whose_encoder_pass_fails_leaves_with_its_blocks_and_the_batch_runs_on(
+    accelerated, corpus, monkeypatch
+):
+    model, tokenizer = accelerated({})
+    settings = DecodeConfig(strategy="beam", beam_size=3)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4)
+    ids = Translator(model, tokenizer, "cpu", settings).encode(corpus[0][:2])
+    answered = []
+    engine.add(Sentence(ids[0] + [tokenizer.eos_id], settings, answered.append))
+    engine.step(4096)
+    running = engine.pool.promised
+    engine.add(Sentence(ids[1] + [tokenizer.eos_id], settings, answered.append))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the encoder broke")
+
+    monkeypatch.setattr(model, "encode", broken)
+    with pytest.raises(AdmissionFailed, match="the encoder broke") as failed:
+        while engine.waiting:  # it joins within JOIN_STEPS steps
+            engine.step(4096)
+    assert [s.ids for s in failed.value.sentences] == [ids[1] + [tokenizer.eos_id]]
+    assert not engine.waiting and len(engine.running) == 1 and engine.pool.promised == running
+    monkeypatch.undo()
+    while engine.busy:
+        engine.step(4096)
+    assert len(answered) == 1 and sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+    assert engine.pool.promised == 0

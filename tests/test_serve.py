@@ -18,12 +18,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from transformer import checkpoint
 from transformer.decoding import DecodeConfig, Hypothesis
 from transformer.serving import Batcher, ServeLimits, create_app
-from transformer.translator import Translator
 
-from .servers import QUICK, Server, build_checkpoint, corpus_lines, run_entry, translate_py, wait_for
+from .servers import QUICK, Server, build_checkpoint, corpus_lines, loaded_translator, run_entry, translate_py, wait_for
 
 LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=50"]
 
@@ -161,15 +159,9 @@ def test_health_metrics_and_the_page(server):
     assert httpx.get(server.url + "/static/app.js").status_code == 200
 
 
-def loaded_translator(model_path) -> Translator:
-    """The checkpoint as serve.py loads it, in this process, with short translations."""
-    model, tokenizer, _ = checkpoint.load_model(model_path, torch.device("cpu"))
-    return Translator(model, tokenizer, "cpu", DecodeConfig(max_len_a=0.5, max_len_b=6))
-
-
 def test_health_is_503_until_the_model_has_decoded_a_sentence(model_path):
     translator, released = loaded_translator(model_path), threading.Event()
-    decode = translator.translate_batch  # what the start-up check decodes with (Translator.check)
+    decode = translator.translate_batch  # what the start-up check decodes with (the request scheduler's)
     translator.translate_batch = lambda sources, settings: released.wait(60) and decode(sources, settings)
     with TestClient(create_app(translator, ServeLimits())) as client:  # runs the app's startup here
         loading = client.get("/health")

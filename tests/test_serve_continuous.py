@@ -1,22 +1,45 @@
 """serve.py's continuous scheduler over real HTTP (limits.scheduler=continuous): requests at random
-moments into a small pool get translate.py's translations, a client that gives up costs no blocks;
-and the rule both schedulers keep, that every piece of torch work runs on the one decoding thread."""
+moments into a small pool get translate.py's translations, a client that gives up costs no blocks
+and has them back within a few steps; a request whose sentences cannot be encoded gets a 500 and
+the engine serves on; /health checks the engine that serves, and says when and why the server
+fell back to request scheduling (and compare_schedulers.py refuses to measure such a server); and
+the rule both schedulers keep, that every piece of torch work runs on the one decoding thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import json
 import random
+import re
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
+from transformer.fast.paged import PagedDecoder
 from transformer.serving import ServeLimits
 from transformer.serving import app as serving_app
 from transformer.serving.metrics import Metrics
 from transformer.translator import Translator
 
-from .servers import QUICK, Server, build_checkpoint, corpus_lines, load_entry, translate_py, wait_for
+from .conftest import ROOT
+from .servers import (
+    QUICK,
+    Server,
+    build_checkpoint,
+    corpus_lines,
+    load_entry,
+    loaded_translator,
+    translate_py,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +113,153 @@ def test_torch_work_other_than_decoding_runs_on_the_decoding_thread(model_path):
         return ident, batcher.thread.ident, failed[0]
 
     for scheduler in ("request", "continuous"):
-        _, batcher = serving_app.scheduler(translator, ServeLimits(scheduler=scheduler, pool_mib=1), Metrics())
+        _, batcher, _ = serving_app.scheduler(translator, ServeLimits(scheduler=scheduler, pool_mib=1), Metrics())
         ident, decoding, failed = asyncio.run(threads(batcher))
         assert ident == decoding != threading.get_ident()
         assert isinstance(failed, ValueError)  # an error reaches its caller
     module = load_entry("serve.py")
     assert module.off_the_main_thread(threading.current_thread) is not threading.current_thread()
     assert not module.off_the_main_thread(threading.current_thread).is_alive()
+
+
+def health(server: Server) -> dict:
+    return httpx.get(server.url + "/health", timeout=60).json()
+
+
+def sentences_translated(server: Server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return float(re.search(r"^serve_sentences_total (\S+)$", text, re.MULTILINE).group(1))
+
+
+def raw_post(server: Server, body: dict) -> socket.socket:
+    """A socket that has sent a translate request, for the caller to close before the answer."""
+    host, port = server.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = f"POST /v1/translate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"  # fmt: skip
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+@pytest.mark.e2e
+def test_a_client_that_disconnects_has_its_blocks_back_within_a_few_steps(model_path):
+    """Sentences held to 100 tokens at beam 8 take a while to decode. A client that closes its
+    socket once they have joined the batch has their blocks back well before they could have
+    ended: uvicorn does not cancel a handler whose client has gone, so the app watches for it."""
+    long = ["decode.min_len=100", "decode.max_len_a=0", "decode.max_len_b=110", "limits.pool_mib=8"]
+    body = {"text": corpus_lines("de", 12, "val"), "beam_size": 8}
+    with Server(f"checkpoint={model_path}", "device=cpu", "limits.scheduler=continuous", *long) as server:
+        assert wait_for(lambda: health(server)["status"] == "ok", timeout=60)
+        blocks = health(server)["pool"]["blocks"]
+        started = time.perf_counter()
+        assert post(server, body).status_code == 200
+        full = time.perf_counter() - started
+        translated = sentences_translated(server)
+        started = time.perf_counter()
+        with raw_post(server, body):
+            assert wait_for(lambda: health(server)["pool"]["free"] < blocks, every=0.005)  # they run
+        free = {"blocks": blocks, "block_size": 16, "free": blocks, "promised": 0}
+        assert wait_for(lambda: health(server)["pool"] == free, timeout=full + 10, every=0.005)
+        back = time.perf_counter() - started
+        assert back < full / 2, f"the blocks came back {back:.2f} s after the request, which takes {full:.2f} s"
+        assert sentences_translated(server) == translated  # they left unfinished
+        assert post(server, {"text": body["text"][:1]}).status_code == 200
+
+
+@contextlib.asynccontextmanager
+async def served(translator: Translator, limits: ServeLimits):
+    """The app in this process, started (its readiness check done) and a client of it."""
+    app = serving_app.create_app(translator, limits)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://app") as client:
+            for _ in range(600):
+                if (await client.get("/health")).json()["status"] != "loading":
+                    break
+                await asyncio.sleep(0.1)
+            yield client
+
+
+async def answer(response, seconds: float = 30) -> httpx.Response:
+    try:
+        return await asyncio.wait_for(response, seconds)
+    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+        pytest.fail(f"no answer in {seconds} s: the request was lost")
+
+
+def test_a_request_whose_sentences_cannot_be_encoded_gets_a_500_and_the_engine_serves_on(model_path, monkeypatch):
+    """The engine admits sentences (reserving their blocks) before their encoder pass: when that
+    raises, their request is answered with the error and the blocks go back."""
+    translator = loaded_translator(model_path)
+    encode, texts = translator.model.encode, corpus_lines("de", 3, "val")
+
+    def fails_once(*args, **kwargs):
+        monkeypatch.setattr(translator.model, "encode", encode)
+        raise RuntimeError("the encoder broke")
+
+    async def requests() -> tuple[httpx.Response, dict, httpx.Response]:
+        async with served(translator, ServeLimits(scheduler="continuous", pool_mib=1)) as client:
+            assert (await client.get("/health")).status_code == 200
+            monkeypatch.setattr(translator.model, "encode", fails_once)
+            failed = await answer(client.post("/v1/translate", json={"text": texts}))
+            status = (await client.get("/health")).json()
+            return failed, status, await answer(client.post("/v1/translate", json={"text": texts}))
+
+    failed, status, answered = asyncio.run(requests())
+    assert failed.status_code == 500 and "the encoder broke" in failed.json()["error"], failed.text
+    pool = status["pool"]
+    assert pool["free"] == pool["blocks"] and pool["promised"] == 0 and status["status"] == "ok"
+    assert answered.status_code == 200
+    assert answered.json()["translations"] == translator.texts([h[0] for h in translator.translate_batch(translator.encode(texts), translator.decode)])  # fmt: skip
+
+
+def test_health_checks_the_engine_that_serves(model_path, monkeypatch):
+    """Under continuous batching the readiness check decodes through the engine: with its paged
+    step broken /health is a 503 with the error, though translate_batch decodes."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the paged step broke")
+
+    monkeypatch.setattr(PagedDecoder, "step", broken)
+    translator = loaded_translator(model_path)
+    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="continuous", pool_mib=1))) as client:
+        assert wait_for(lambda: client.get("/health").json()["status"] != "loading", timeout=60)
+        answer = client.get("/health")
+    assert answer.status_code == 503 and "the paged step broke" in answer.json()["error"], answer.json()
+    assert answer.json()["scheduler"] == "continuous"
+    assert translator.translate_batch(translator.encode(["Ein Hund."]), translator.decode)[0]
+
+
+@pytest.mark.parametrize("cannot", ["settings", "model"])
+def test_continuous_scheduling_falls_back_to_request_scheduling_and_health_says_why(model_path, cannot):
+    translator = loaded_translator(model_path)
+    if cannot == "settings":
+        translator.decode = dataclasses.replace(translator.decode, strategy="sample")
+        why = "decode.strategy=sample"
+    else:
+        translator = Translator.load(model_path, ensemble=[str(model_path)], device="cpu")
+        why = "ensemble"
+    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="continuous"))) as client:
+        assert wait_for(lambda: client.get("/health").status_code == 200, timeout=60)
+        status = client.get("/health").json()
+        assert client.post("/v1/translate", json={"text": "Ein Hund."}).status_code == 200
+    assert status["scheduler"] == "request" and "pool" not in status
+    assert status["scheduler_fallback"].startswith("limits.scheduler=continuous cannot run here: ")
+    assert why in status["scheduler_fallback"]
+    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="request"))) as client:
+        assert "scheduler_fallback" not in client.get("/health").json()  # asked for request scheduling
+
+
+@pytest.mark.e2e
+def test_compare_schedulers_refuses_a_server_that_fell_back(model_path, tmp_path):
+    """Asked for the continuous scheduler, a server that serves with the request one (sampling:
+    continuous batching runs greedy and beam search) would measure the wrong scheduler."""
+    (tmp_path / "input.de").write_text("Ein Hund.\n")
+    args = [f"checkpoint={model_path}", f"input={tmp_path / 'input.de'}", "schedulers=[continuous]", "clients=[1]",
+            "seconds=1", "serve=['device=cpu','decode.strategy=sample']"]  # fmt: skip
+    done = subprocess.run([sys.executable, "benchmarks/compare_schedulers.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(
+        "error: serve.py was asked for limits.scheduler=continuous but serves with scheduler=request"
+    )
+    assert "decode.strategy=sample" in error and not done.stdout

@@ -37,6 +37,15 @@ JOIN_STEPS = 3  # the most steps a waiting sentence waits for others to join wit
 JOIN_TOKENS = 256  # or until the waiting sentences hold this many source tokens
 
 
+class AdmissionFailed(RuntimeError):
+    """Sentences could not join the batch (their encoder pass raised `error`): they have left the
+    engine and hold no blocks; the running batch is untouched and the engine goes on."""
+
+    def __init__(self, sentences: list[Sentence], error: Exception):
+        super().__init__(f"{len(sentences)} sentences could not join the batch: {type(error).__name__}: {error}")
+        self.sentences, self.error = sentences, error
+
+
 @dataclass
 class Row:
     """One sequence of the decoding batch: a greedy sentence, or one beam."""
@@ -144,7 +153,8 @@ class Engine:
 
     def step(self, max_new_tokens: int) -> int:
         """Admit the waiting sentences that fit (at most max_new_tokens source tokens), then run
-        one decoding step over the whole batch. Returns the number of sentences it ran."""
+        one decoding step over the whole batch. Returns the number of sentences it ran; raises
+        AdmissionFailed, without running the step, when the joining sentences' encoder pass fails."""
         self.drop_cancelled()
         with torch.no_grad(), torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
             if self.joining_pays():
@@ -182,15 +192,26 @@ class Engine:
             tokens += len(sentence.ids)
         if not joining:
             return
+        try:
+            self.encode(joining)
+        except Exception as e:  # the batch runs on; these sentences give their blocks back and fail
+            for sentence in joining:
+                self.leave(sentence)
+            raise AdmissionFailed(joining, e) from e
+        self.running.extend(joining)
+
+    def encode(self, joining: list[Sentence]) -> None:
+        """The joining sentences' encoder pass, their cross-attention keys and values in the pool
+        and their first rows."""
         src = pad([s.ids for s in joining], self.model.cfg.pad_id).to(self.device)
         memory, _ = self.model.encode(src, padding_mask(src, self.model.cfg.pad_id))
         for sentence in joining:
-            sentence.cross = [self.pool.allocate() for _ in range(self.pool.blocks_for(len(sentence.ids)))]
+            for _ in range(self.pool.blocks_for(len(sentence.ids))):  # one by one: `leave` returns what was taken
+                sentence.cross.append(self.pool.allocate())
             # As in beam.py: one row expands at the first step, unless the vocabulary is too small.
             first = 1 if not sentence.beam or self.model.cfg.vocab_size >= 2 * sentence.width else sentence.width
             sentence.rows = [Row([], [], 0.0 if i == 0 else -math.inf) for i in range(first)]
         self.decoder.store_memory(memory, [len(s.ids) for s in joining], [s.cross for s in joining])
-        self.running.extend(joining)
 
     def leave(self, sentence: Sentence) -> None:
         """Return a sentence's blocks and its reservation to the pool."""

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -29,6 +32,8 @@ from .protocol import RequestError, TranslateRequest, align_request, read_json, 
 log = logging.getLogger("serve")
 STATIC = Path(__file__).parent / "static"
 PATHS = ("/", "/v1/translate", "/v1/align", "/health", "/metrics")
+CHECK_SENTENCE = "Hello."  # what the readiness check decodes
+T = TypeVar("T")
 
 
 def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
@@ -61,19 +66,35 @@ class Service:
 
     def __init__(self, translator: Translator, limits: ServeLimits):
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
-        self.scheduler, self.batcher = scheduler(translator, limits, self.metrics)
+        self.scheduler, self.batcher, self.fallback = scheduler(translator, limits, self.metrics)
         self.model_loaded, self.model_error = False, None
 
     async def check_model(self) -> None:
-        """Decode one sentence off the event loop, as requests are; the server is ready once it has."""
+        """Decode one sentence through the scheduler that serves, as a request is decoded (the
+        continuous engine's steps, or translate_batch); the server is ready once it has."""
         try:
-            await self.batcher.call(self.translator.check)
+            await self.check_sentence()
         except Exception as e:
             self.model_error = f"{type(e).__name__}: {e}"
             log.error("the model cannot decode; /health answers 503: %s", self.model_error, exc_info=e)
             return
         self.model_loaded = True
         log.info("the model decodes: ready")
+
+    async def check_sentence(self) -> None:
+        """Raises when the check sentence cannot be decoded: an error, no hypothesis (a model with
+        NaN weights ends none), or a log-probability that is not a finite number."""
+        t = self.translator
+        sources = t.encode([CHECK_SENTENCE], t.target_languages[0] if t.target_languages else None)
+        if not sources[0]:
+            raise RuntimeError(f"the tokenizer encodes the check sentence {CHECK_SENTENCE!r} to no tokens")
+        if isinstance(self.batcher, ContinuousBatcher):  # through the engine's steps, as its requests
+            n_best = (await self.batcher.translate(sources, t.decode)).n_best
+        else:  # the request scheduler's decode, without waiting in its queue for a batch to fill
+            n_best = await self.batcher.call(self.batcher.decode, sources, t.decode)
+        log_probs = [h.log_prob for h in n_best[0]]
+        if not log_probs or not all(math.isfinite(p) for p in log_probs):
+            raise RuntimeError(f"the check sentence {CHECK_SENTENCE!r} decoded to {len(log_probs)} hypotheses, log-probabilities {log_probs}")  # fmt: skip
 
     async def count(self, request: Request, call_next) -> Response:
         """Count every answer by path and status; a bug of ours is logged once and answered 500."""
@@ -90,7 +111,7 @@ class Service:
     async def translate(self, request: Request) -> JSONResponse:
         arrived = time.perf_counter()
         req = translate_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
-        answer = await self.decode(req)
+        answer = await unless_disconnected(request, self.decode(req))
         self.metrics.latency.observe(time.perf_counter() - arrived)
         return JSONResponse(translate_response(self.translator, req, answer, arrived))
 
@@ -98,7 +119,7 @@ class Service:
         req = align_request(read_json(await read_body(request, self.limits), self.limits), self.limits)
         translation = req.translation
         if translation is None:
-            answer = await self.decode(TranslateRequest([req.text], target_lang=req.target_lang))
+            answer = await unless_disconnected(request, self.decode(TranslateRequest([req.text], target_lang=req.target_lang)))  # fmt: skip
             translation = self.translator.texts(answer.n_best[0])[0]
         self.tag(req.target_lang)
         try:
@@ -141,6 +162,7 @@ class Service:
             "queue": len(self.batcher),
             "precision": t.decode.precision,
             "scheduler": self.scheduler,
+            **({"scheduler_fallback": self.fallback} if self.fallback else {}),
             "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},
             "limits": asdict(self.limits),
         }
@@ -159,9 +181,10 @@ class Service:
         return FileResponse(STATIC / "index.html")
 
 
-def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> tuple[str, object]:
+def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> tuple[str, object, str | None]:
     """The scheduler asked for, or the request-level one (with a warning naming why) where
-    continuous batching cannot run this model or these settings: its name and the batcher."""
+    continuous batching cannot run this model or these settings: its name, the batcher, and why
+    continuous batching was not used when it was asked for (None otherwise)."""
     if limits.scheduler == "continuous":
         reason = PagedDecoder.supports(translator.model) or unsupported_settings(translator.decode)
         if reason is None:
@@ -173,10 +196,13 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
                 pool.n_blocks, pool.block_size, engine.mib(pool.n_blocks),
             )  # fmt: skip
             batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
-            return "continuous", batcher
+            return "continuous", batcher, None
         log.warning("limits.scheduler=continuous cannot run here (%s): serving with scheduler=request", reason)
+        fallback = f"limits.scheduler=continuous cannot run here: {reason}"
+    else:
+        fallback = None
     batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, metrics.batch)  # fmt: skip
-    return "request", batcher
+    return "request", batcher, fallback
 
 
 def check_pool(engine: Engine, source_tokens: int, limits: ServeLimits) -> None:
@@ -204,6 +230,28 @@ def translate_response(translator: Translator, req: TranslateRequest, answer: An
         "batch_requests": answer.batch_requests,
     }
     return body
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (with the
+    batcher's future it waits on, so its sentences leave the batch) and the answer is a 499 nobody
+    reads. uvicorn does not cancel a handler whose client has gone. Called once the body has been
+    read, when the only message left to receive is the disconnect."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        raise RequestError(499, "client_gone", "the client disconnected before its answer was ready")
+    return task.result()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns when the client has disconnected (the body read, nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def read_body(request: Request, limits: ServeLimits) -> bytes:

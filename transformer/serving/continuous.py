@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
-from ..decoding.engine import Engine, Sentence
+from ..decoding.engine import AdmissionFailed, Engine, Sentence
 from ..decoding.strategies import empty_n_best
 from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_calls
 
@@ -26,6 +26,12 @@ class Request(Job):
     started_at: float | None = None  # when its first sentence joined the batch
     batch_sentences: int = 0  # the most sentences in the batch while it ran
     batch_requests: int = 0  # and the most requests
+    failed: bool = False  # answered with an error: its other sentences leave
+
+    def gone(self) -> bool:
+        """Whether its sentences are to leave the engine: it failed, or its future is done (the
+        app cancels it when the client disconnects)."""
+        return self.failed or self.future.done()
 
 
 class ContinuousBatcher(DecodingThread):
@@ -64,6 +70,9 @@ class ContinuousBatcher(DecodingThread):
                 self.hand_over(request)
             try:
                 running = self.engine.step(self.max_new_tokens)
+            except AdmissionFailed as e:  # the joining sentences fail; the batch runs on
+                self.fail({id(s.request): s.request for s in e.sentences}.values(), e.error)
+                continue
             except Exception as e:  # a bug of ours: every sentence in the batch fails with it
                 self.fail_all(e)
                 continue
@@ -90,10 +99,10 @@ class ContinuousBatcher(DecodingThread):
                     self.finish(request, i, empty)
                     continue
                 done = self.done_callback(request, i)
-                # A request whose future is done (the client went away) takes its sentences out.
-                self.engine.add(Sentence(ids + [self.eos_id], request.settings, done, request.future.done, request))
+                # A request that is gone (failed, or its client went away) takes its sentences out.
+                self.engine.add(Sentence(ids + [self.eos_id], request.settings, done, request.gone, request))
         except ValueError as e:  # a sentence that could never fit in the pool
-            resolve(request.future, error=e)
+            self.fail([request], e)
 
     def done_callback(self, request: Request, i: int):
         def done(n_best: list[Hypothesis]) -> None:
@@ -114,6 +123,12 @@ class ContinuousBatcher(DecodingThread):
         decode_ms = (now - request.started_at) * 1000
         answer = Answer(request.n_best, queue_ms, decode_ms, request.batch_sentences, request.batch_requests)
         resolve(request.future, answer)
+
+    def fail(self, requests, error: Exception) -> None:
+        """Answer requests with an error; their sentences still in the engine leave at the next step."""
+        for request in requests:
+            request.failed = True
+            resolve(request.future, error=error)
 
     def fail_all(self, error: Exception) -> None:
         for sentence in list(self.engine.running) + list(self.engine.waiting):
