@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import threading
 from pathlib import Path
 
@@ -184,17 +183,6 @@ class Translator:
         for i, hyps in zip(todo, self.translate_ids([sources[i] for i in todo], settings)):
             out[i] = hyps
         return out
-
-    def check(self) -> None:
-        """Decode one short sentence as a request is decoded, with these settings; raises when the
-        model cannot: an error, no hypothesis (a model with NaN weights ends none), or a
-        log-probability that is not a finite number."""
-        sources = self.encode(["Hello."], self.target_languages[0] if self.target_languages else None)
-        if not sources[0]:
-            raise RuntimeError("the tokenizer encodes the check sentence 'Hello.' to no tokens")
-        log_probs = [h.log_prob for h in self.translate_batch(sources, self.decode)[0]]
-        if not log_probs or not all(math.isfinite(p) for p in log_probs):
-            raise RuntimeError(f"the check sentence 'Hello.' decoded to {len(log_probs)} hypotheses, log-probabilities {log_probs}")  # fmt: skip
 
     def texts(self, hypotheses: list[Hypothesis]) -> list[str]:
         return self.tokenizer.decode([h.tokens for h in hypotheses])
