@@ -1,6 +1,6 @@
-"""int8 decoding (decode.precision=int8): every linear layer becomes an Int8Linear (fast/int8.py),
-whose rows do not depend on each other, and a briefly trained model predicts nearly as in fp32
-through the real loading path."""
+"""int8 decoding (decode.precision=int8): each linear layer the start-up check finds exact and
+faster in int8 becomes an Int8Linear (fast/int8.py), whose rows do not depend on each other, and a
+briefly trained model predicts nearly as in fp32 through the real loading path."""
 
 import dataclasses
 
@@ -13,7 +13,7 @@ from transformer import checkpoint
 from transformer.batching import pad
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
-from transformer.fast.int8 import Int8Linear, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
+from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -22,10 +22,11 @@ from .briefly_trained import multi30k_corpus, trained_model
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def int8_is_fast(monkeypatch):
-    """These tests check what int8 computes: the start-up check's timing, which decides whether
-    a loaded machine decodes in int8 at all, is taken as passed (it has its own test below)."""
+    """For tests of what an all-int8 model computes: the start-up check's timing, which decides
+    per layer shape whether a loaded machine decodes in int8 at all, is taken as passed, so every
+    layer is int8 (the real decision has its own tests below)."""
     monkeypatch.setattr(transformer.fast.int8, "int8_to_fp32_time", lambda *args: 0.5)
     kernel_plan.cache_clear()
     yield
@@ -41,17 +42,34 @@ def saved(tmp_path_factory):
     return path, (corpus[0][:32], corpus[1][:32])
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("fast", [True, False])
-def test_int8_decoding_agrees_with_fp32(saved, fast):
-    """Next-token choices agree almost everywhere; whole translations of this barely trained model
-    (its best token has a third of the probability on average) diverge more, once a near tie flips."""
-    path, (de, en) = saved
-    runtime = RuntimeConfig(fast=fast)
-    fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
-    fp32, int8, tokenizer = fp32.model, int8.model, fp32.tokenizer
-    assert not [m for m in int8.modules() if isinstance(m, nn.Linear)]  # every one quantized
-    assert any(isinstance(m, Int8Linear) for m in int8.modules())
+# Greedy translations of int8 and fp32 may part only where fp32 ranks the two tokens within this
+# many nats: a near tie that int8's rounding tipped. Measured where they parted: on the test's 32
+# sentences at most 0.043 natively (full-range weights), 0.062 under AVX2 and 0.053 under AVX512_CORE
+# (weights in [-63, 63], no VNNI); in 675 partings (natively) and 924 (AVX2) over 1,300 training
+# and validation sentences, at most 0.085 and 0.21. A channel of the output layer scaled 1.3x off
+# parts translations at a gap of 0.95.
+NEAR_TIE = 0.25
+# Mean KL(fp32 || int8) per token, teacher-forced: measured 2e-4 natively, 5e-4 under AVX2 and 4e-4
+# under AVX512_CORE (also over those 1,300 sentences); 3x the largest.
+MEAN_KL = 1.5e-3
+
+
+def parting_gap(model, source: list[int], ours: list[int], theirs: list[int], tokenizer) -> float:
+    """Where the translations `ours` (model's greedy choice) and `theirs` first differ, EOS
+    included: model's log-probability of its own token there minus that of theirs; 0 if they agree."""
+    ours, theirs = ours + [tokenizer.eos_id], theirs + [tokenizer.eos_id]
+    if ours == theirs:
+        return 0.0
+    t = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    with torch.no_grad():
+        logits = model(torch.tensor([source + [tokenizer.eos_id]]), torch.tensor([[tokenizer.bos_id] + ours[:t]]))
+    log_probs = logits[0, -1].log_softmax(-1)
+    return (log_probs[ours[t]] - log_probs[theirs[t]]).item()
+
+
+def assert_int8_agrees_with_fp32(fp32, int8, tokenizer, de: list[str], en: list[str]) -> None:
+    """Next-token choices (teacher-forced on the references) agree almost everywhere, and greedy
+    translations part only at near ties of the fp32 model."""
     sources = tokenizer.source.encode(de)
     src = pad([s + [tokenizer.eos_id] for s in sources], tokenizer.pad_id)
     tgt = pad([[tokenizer.bos_id] + t for t in tokenizer.encode(en)], tokenizer.pad_id)
@@ -59,11 +77,48 @@ def test_int8_decoding_agrees_with_fp32(saved, fast):
         expected, got = fp32(src, tgt).log_softmax(-1), int8(src, tgt).log_softmax(-1)
     real = tgt != tokenizer.pad_id
     assert (expected.argmax(-1) == got.argmax(-1))[real].float().mean() >= 0.95
-    assert (expected.exp() * (expected - got)).sum(-1)[real].mean() < 0.01  # KL(fp32 || int8) per token
+    assert (expected.exp() * (expected - got)).sum(-1)[real].mean() < MEAN_KL  # KL(fp32 || int8) per token
     cfg = DecodeConfig(strategy="greedy")
     ours = translate_ids(fp32, sources, tokenizer, cfg, "cpu")
     quantized = translate_ids(int8, sources, tokenizer, dataclasses.replace(cfg, precision="int8"), "cpu")
-    assert sum(a[0].tokens == b[0].tokens for a, b in zip(ours, quantized)) >= 0.4 * len(sources)
+    gaps = [parting_gap(fp32, s, a[0].tokens, b[0].tokens, tokenizer) for s, a, b in zip(sources, ours, quantized)]
+    assert max(gaps) <= NEAR_TIE, [f"sentence {i}: {gap:.3f}" for i, gap in enumerate(gaps) if gap > NEAR_TIE]
+
+
+@pytest.mark.e2e
+@pytest.mark.usefixtures("int8_is_fast")
+@pytest.mark.parametrize("fast", [True, False])
+def test_int8_decoding_agrees_with_fp32(saved, fast):
+    """With every linear layer in int8, through the real loading path: predictions agree with fp32
+    within int8's rounding (assert_int8_agrees_with_fp32)."""
+    path, (de, en) = saved
+    runtime = RuntimeConfig(fast=fast)
+    fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
+    assert not [m for m in int8.model.modules() if isinstance(m, nn.Linear)]  # every one quantized
+    assert any(isinstance(m, Int8Linear) for m in int8.model.modules())
+    assert_int8_agrees_with_fp32(fp32.model, int8.model, fp32.tokenizer, de, en)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("fast", [True, False])
+def test_int8_loading_follows_the_start_up_check(saved, fast, caplog):
+    """The start-up check as it decides on this CPU, whatever it decides: the log line says what
+    was chosen for each layer shape, each linear layer is int8 exactly where the plan for its shape
+    says so (the others stay fp32), and the model decodes as fp32 does within int8's rounding."""
+    path, (de, en) = saved
+    runtime = RuntimeConfig(fast=fast)
+    with caplog.at_level("INFO", logger="transformer.fast.int8"):
+        fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
+    linear = {name: m for name, m in fp32.model.named_modules() if isinstance(m, nn.Linear)}
+    onednn = runtime.fast and runtime.onednn_inference  # as accelerate passes it to quantize_int8
+    shapes = sorted({(m.in_features, m.out_features) for m in linear.values()})
+    plans = {shape: kernel_plan(onednn, shape) for shape in shapes}  # this process's decisions, cached
+    assert f"decode.precision=int8: {describe(plans)}" in caplog.text
+    layers = dict(int8.model.named_modules())
+    for name, m in linear.items():
+        quantized = plans[m.in_features, m.out_features].weight_levels is not None
+        assert type(layers[name]) is (Int8Linear if quantized else type(m)), name
+    assert_int8_agrees_with_fp32(fp32.model, int8.model, fp32.tokenizer, de, en)
 
 
 @pytest.mark.e2e
@@ -82,16 +137,16 @@ def test_int8_rows_are_independent_and_close_to_fp32():
     """Each row is quantized by its own scale: a row's output is the same alone or batched with a
     row 100 times larger (one scale per call, as torch's dynamic quantization has, fails this),
     and within int8's rounding of the fp32 product."""
+    levels = exact_weight_levels()
+    if levels is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    model = quantize_int8(nn.Sequential(linear))
-    if exact_weight_levels() is None:
-        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
-    assert isinstance(model[0], Int8Linear)
+    layer = Int8Linear(linear, levels)
     x = torch.randn(3, 64)
     with torch.no_grad():
-        alone, expected = model(x[:1]), linear(x[:1])
-        batched = model(torch.cat([x[:1], 100 * x[1:]]))[:1]
+        alone, expected = layer(x[:1]), linear(x[:1])
+        batched = layer(torch.cat([x[:1], 100 * x[1:]]))[:1]
     assert torch.equal(alone, batched)
     assert (alone - expected).norm() <= 0.05 * expected.norm()
 
@@ -146,5 +201,5 @@ def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplo
         with caplog.at_level("WARNING"):
             assert type(quantize_int8(model)[0]) is nn.Linear
         assert "decoding stays in fp32" in caplog.text
-    finally:
-        int8.exact_weight_levels.cache_clear()
+    finally:  # the next test finds this process's real decision
+        int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
