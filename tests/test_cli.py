@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from . import forked
 from .conftest import ROOT, write_corpus
 
 pytestmark = pytest.mark.e2e  # every test runs train.py, translate.py, evaluate.py or a script
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=600)
+    """`python *args`, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(list(args), stdin=stdin, timeout=600)
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -35,7 +37,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) ->
 def smoke_run(tmp_path_factory, shared_corpus) -> Path:
     """One `train.py experiment=smoke` run that the tests below inspect and reuse."""
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    result = train(run_dir, f"data.dir={shared_corpus}", "data.vocab_size=300", "trainer.average_last=2")
+    # A fresh interpreter, as a user starts it: `python train.py ...` (the other commands are forked).
+    args = ["train.py", "experiment=smoke", f"hydra.run.dir={run_dir}", f"data.dir={shared_corpus}", "data.vocab_size=300", "trainer.average_last=2"]  # fmt: skip
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     (run_dir / "stdout.txt").write_text(result.stdout)
     return run_dir
@@ -344,7 +348,8 @@ def test_results_table_prints_every_score_with_signatures(smoke_run):
 def test_attention_lab_trains_converts_and_writes_the_table(shared_corpus, tmp_path):
     doc = tmp_path / "ATTENTION.md"
     doc.write_text("intro\n<!-- attention-lab:start -->\nold\n<!-- attention-lab:end -->\nrest\n")
-    extra = f"extra=['experiment=smoke','data.dir={shared_corpus}','data.vocab_size=300']"
+    # The shortest runs that still validate with BLEU, keep a best checkpoint and score the test split.
+    extra = f"extra=['experiment=smoke','data.dir={shared_corpus}','data.vocab_size=300','trainer.max_steps=10','trainer.attention_images=false']"
     args = ["only=[mha,moh]", "minutes=5", "finetune_steps=2", "speed_sentences=5", f"out={tmp_path / 'lab'}", f"doc={doc}"]  # fmt: skip
     result = run("scripts/lab/attention_lab.py", extra, *args)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -6,7 +6,6 @@ untouched, and a resumed run accounts its time and its best checkpoint across th
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from transformer import checkpoint
 
-from .conftest import ROOT
+from . import forked
 
 pytestmark = pytest.mark.e2e  # every test runs train.py
 
@@ -24,10 +23,10 @@ TIMING = ("tokens_per_s", "train_minutes")  # the only fields two identical runs
 
 
 def train(run_dir: Path, corpus: Path, *extra: str, crash: tuple = ()) -> subprocess.CompletedProcess:
-    """train.py, or with crash=(what, step, phase) tests/crash_driver.py killing it at that moment."""
-    driver = [str(ROOT / "tests" / "crash_driver.py"), *map(str, crash)] if crash else ["train.py"]
-    args = [*driver, *TRAIN, f"data.dir={corpus}", f"hydra.run.dir={run_dir}", *extra]
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """train.py, or with crash=(what, step, phase) tests/crash_driver.py killing it at that moment
+    (each its own process, forked from a warm interpreter: tests/forked.py)."""
+    driver = ["tests/crash_driver.py", *map(str, crash)] if crash else ["train.py"]
+    return forked.run([*driver, *TRAIN, f"data.dir={corpus}", f"hydra.run.dir={run_dir}", *extra], timeout=600)
 
 
 def outcome(run_dir: Path) -> dict:

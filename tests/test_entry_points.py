@@ -14,6 +14,7 @@ import transformer.fast.int8
 from transformer.fast.int8 import Int8Linear, Int8Plan, exact_weight_levels
 from transformer.translator import Translator
 
+from . import forked
 from .conftest import ROOT
 from .servers import QUICK, Server, build_checkpoint, corpus_lines, translate_py
 
@@ -102,7 +103,8 @@ def test_serve_with_int8_serves_the_int8_model_over_http(model_path):
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """`python *args`, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(list(args), timeout=300)
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:

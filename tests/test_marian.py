@@ -14,14 +14,14 @@ import io
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
 import torch
 
-from tests.conftest import DATA, ROOT
+from tests import forked
+from tests.conftest import DATA
 from transformer.checkpoint import load_model
 from transformer.decoding import DecodeConfig
 from transformer.decoding.strategies import STRATEGIES
@@ -208,8 +208,9 @@ def translate_ids(model, tokenizer, sources: list[list[int]], cfg: DecodeConfig)
     return out
 
 
-def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900, **kwargs)
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    """`python *args`, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(args, timeout=900)
 
 
 @pytest.fixture(scope="module")

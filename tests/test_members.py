@@ -20,6 +20,7 @@ from transformer.training import run
 from transformer.training.config import TrainerConfig
 from transformer.training.members import candidates, member_configs
 
+from . import forked
 from .conftest import ROOT
 
 TRAIN = ["experiment=smoke", "data.max_tokens=600", "trainer.precision=fp32", "trainer.threads=2",
@@ -32,7 +33,8 @@ def command(run_dir, corpus, *extra):
 
 
 def train(run_dir, corpus, *extra) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, corpus, *extra), cwd=ROOT, capture_output=True, text=True)
+    """train.py, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(command(run_dir, corpus, *extra)[1:])
 
 
 @pytest.mark.e2e
@@ -62,9 +64,7 @@ def test_members_train_at_once_and_validation_chooses_their_ensemble(tmp_path, t
     weights = [p["model"]["embed.embed.weight"] for p in payloads]
     assert not torch.equal(*weights), "the members are the same model"
 
-    table = subprocess.run(
-        [sys.executable, "scripts/lab/results_table.py", f"run={run_dir}"], cwd=ROOT, capture_output=True, text=True
-    )
+    table = forked.run(["scripts/lab/results_table.py", f"run={run_dir}"])
     assert table.returncode == 0, table.stderr[-2000:]
     assert f"ensemble of 2 members ({results['chosen']}, chosen on val)" in table.stdout
     assert "member 0: 10 steps" in table.stdout and "member 1: 10 steps" in table.stdout
@@ -72,16 +72,16 @@ def test_members_train_at_once_and_validation_chooses_their_ensemble(tmp_path, t
 
 @pytest.mark.e2e
 def test_a_rerun_resumes_the_members_and_other_settings_leave_them_intact(tmp_path, tiny_corpus):
-    run_dir = tmp_path / "run"
-    assert train(run_dir, tiny_corpus, "trainer.max_steps=5").returncode == 0
+    run_dir, untested = tmp_path / "run", "data.test_splits=[]"  # the test splits' decoding is the test above's
+    assert train(run_dir, tiny_corpus, untested, "trainer.max_steps=5").returncode == 0
     saved = {i: (run_dir / f"member{i}" / "checkpoint_5.pt").read_bytes() for i in (0, 1)}
 
-    refused = train(run_dir, tiny_corpus, "trainer.max_steps=5", "model.d_ff=128")
+    refused = train(run_dir, tiny_corpus, untested, "trainer.max_steps=5", "model.d_ff=128")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert "already holds another run" in refused.stderr and "model.d_ff" in refused.stderr
     assert "member0, member1 stopped without finishing" in refused.stderr
 
-    again = train(run_dir, tiny_corpus, "trainer.max_steps=10")
+    again = train(run_dir, tiny_corpus, untested, "trainer.max_steps=10")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "member0: resumed at step 5" in again.stdout and "member1: resumed at step 5" in again.stdout
     for i in (0, 1):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,8 @@ from transformer.sampling import direction_sizes, language_text, resample
 from transformer.tokenizer import Tokenizer
 from transformer.translator import Translator
 
-from .conftest import DATA, ROOT, write_corpus
+from . import forked
+from .conftest import DATA, write_corpus
 from .servers import QUICK, Server, build_checkpoint, translate_py
 
 DIRECTIONS = ["de-en", "en-de", "fr-en", "en-fr", "cs-en"]  # de-fr, fr-de, cs-de, ... are left out: zero-shot
@@ -38,7 +38,8 @@ def multi30k(split: str, lang: str, n: int) -> list[str]:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """`python *args`, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(list(args), timeout=600)
 
 
 @pytest.fixture(scope="module")

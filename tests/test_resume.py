@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from transformer import checkpoint
+from transformer.data import corpus_file, read_lines
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
 from transformer.training.resume import config_differences
 
-from .conftest import ROOT
+from . import forked
+from .conftest import ROOT, write_corpus
 
 # A small model on the tiny corpus: slow enough (~0.1 s a step) to be interrupted mid-run.
 TRAIN = ["experiment=smoke", "model=small", "data.max_tokens=600", "trainer.precision=fp32", "trainer.threads=1",
@@ -24,6 +26,11 @@ TRAIN = ["experiment=smoke", "model=small", "data.max_tokens=600", "trainer.prec
 
 def command(run_dir, corpus, *extra):
     return [sys.executable, "train.py", *TRAIN, f"data.dir={corpus}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def train(run_dir, corpus, *extra) -> subprocess.CompletedProcess:
+    """train.py to its end, its own process forked from a warm interpreter (tests/forked.py)."""
+    return forked.run(command(run_dir, corpus, *extra)[1:])
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -49,26 +56,29 @@ def test_resume_after_sigkill_reproduces_every_later_loss(tmp_path, tiny_corpus,
     # The linear schedule's decay depends on where warmup ended: the resumed run must restore it.
     # Subword sampling draws each epoch's segmentation anew: the resumed run must draw the same.
     # A long budget's dropout, chosen at step 2, must hold after the resume too.
-    schedule = ["trainer.max_steps=40", "trainer.schedule=linear", "trainer.warmup_steps=5", "data.subword_alpha=0.3"]
+    # Half the tiny corpus, so that 24 steps hold two epochs.
+    write_corpus(tiny_corpus, "train", {lang: read_lines(corpus_file(tiny_corpus, "train", lang))[:200] for lang in ("de", "en")})  # fmt: skip
+    schedule = ["trainer.max_steps=24", "trainer.schedule=linear", "trainer.warmup_steps=5", "data.subword_alpha=0.3"]
     schedule += ["trainer.long_budget_epochs=1", "trainer.long_budget_dropout=0.05"]  # model=small: 0.3
     schedule.append(f"runtime={runtime}")
     full = tmp_path / "full"
-    done = subprocess.run(command(full, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
+    done = train(full, tiny_corpus, *schedule)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(estimated at step 2), trainer.long_budget_epochs=1: dropout 0.05 from the next step on" in done.stdout
     records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in records if "lr" in r}
-    for step in (5, 10, 20, 39, 40):  # linear from the peak at the end of warmup towards 0 after max_steps
-        assert lr[step] == pytest.approx(lr[5] * (41 - step) / (41 - 5), abs=1e-12)
+    for step in (5, 10, 20, 23, 24):  # linear from the peak at the end of warmup towards 0 after max_steps
+        assert lr[step] == pytest.approx(lr[5] * (25 - step) / (25 - 5), abs=1e-12)
     assert lr[3] == pytest.approx(lr[5] * 3 / 5)
+    assert {r["step"]: r["epoch"] for r in records if "loss" in r}[14] == 2  # the kill below follows a new draw
 
     killed = tmp_path / "killed"
-    proc = start_and_wait(command(killed, tiny_corpus, *schedule), killed, min_step=24)
+    proc = start_and_wait(command(killed, tiny_corpus, *schedule), killed, min_step=14)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     resumed_from = checkpoint.load(killed / "checkpoint_last.pt")["step"]
-    assert resumed_from in (20, 30)
-    again = subprocess.run(command(killed, tiny_corpus, *schedule), cwd=ROOT, capture_output=True, text=True)
+    assert resumed_from in (10, 20)
+    again = train(killed, tiny_corpus, *schedule)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed at step {resumed_from}" in again.stdout
 
@@ -83,7 +93,7 @@ def test_checkpoints_keep_the_configured_dropout_and_the_state_keeps_the_planned
     checkpoint's model config, which decoding and fine-tuning build from, says model.dropout."""
     run_dir = tmp_path / "run"
     plan = ["trainer.max_steps=4", "trainer.eval_every=2", "trainer.long_budget_epochs=0.1", "trainer.long_budget_dropout=0.05"]  # fmt: skip
-    done = subprocess.run(command(run_dir, tiny_corpus, *plan), cwd=ROOT, capture_output=True, text=True)
+    done = train(run_dir, tiny_corpus, *plan)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(estimated at step 2), trainer.long_budget_epochs=0.1: dropout 0.05 from the next step on" in done.stdout
     saved = {path.name: checkpoint.load(path) for path in sorted(run_dir.glob("checkpoint_*.pt"))}
@@ -96,7 +106,7 @@ def test_checkpoints_keep_the_configured_dropout_and_the_state_keeps_the_planned
 def test_a_wall_clock_budget_decays_the_learning_rate_to_zero_by_its_end(tmp_path, tiny_corpus):
     run = tmp_path / "run"
     extra = ["trainer.max_minutes=0.12", "trainer.schedule=linear", "trainer.warmup_steps=5", "trainer.eval_every=1000"]
-    done = subprocess.run(command(run, tiny_corpus, *extra), cwd=ROOT, capture_output=True, text=True)
+    done = train(run, tiny_corpus, *extra)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     lr = [r["lr"] for r in records if "lr" in r]
@@ -156,26 +166,14 @@ def test_sigterm_saves_at_a_step_boundary_and_says_how_to_resume(tmp_path, tiny_
 @pytest.mark.e2e
 def test_a_directory_with_another_run_is_refused_and_left_intact(tmp_path, tiny_corpus):
     run_dir = tmp_path / "run"
-    first = subprocess.run(
-        command(run_dir, tiny_corpus, "trainer.max_steps=10"), cwd=ROOT, capture_output=True, text=True
-    )
+    first = train(run_dir, tiny_corpus, "trainer.max_steps=10")
     assert first.returncode == 0, first.stderr[-2000:]
     before = (run_dir / "checkpoint_last.pt").read_bytes()
-    other = subprocess.run(
-        command(run_dir, tiny_corpus, "trainer.max_steps=10", "model.d_ff=128"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    other = train(run_dir, tiny_corpus, "trainer.max_steps=10", "model.d_ff=128")
     assert other.returncode == 2 and "Traceback" not in other.stderr
     assert "already holds another run" in other.stderr and "model.d_ff" in other.stderr
     assert (run_dir / "checkpoint_last.pt").read_bytes() == before
-    resume = subprocess.run(
-        command(tmp_path / "new", tiny_corpus, "model.d_ff=128", f"trainer.resume={run_dir}"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    resume = train(tmp_path / "new", tiny_corpus, "model.d_ff=128", f"trainer.resume={run_dir}")
     assert resume.returncode == 2 and "cannot resume" in resume.stderr and "model.d_ff" in resume.stderr
 
 
@@ -200,8 +198,7 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypat
 
 @pytest.mark.e2e
 def test_non_finite_losses_skip_updates_then_stop(tmp_path, tiny_corpus):
-    result = subprocess.run(command(tmp_path / "run", tiny_corpus, "trainer.lr=1e30", "trainer.warmup_steps=1", "trainer.max_bad_steps=2", "trainer.max_steps=200"),
-                            cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    result = train(tmp_path / "run", tiny_corpus, "trainer.lr=1e30", "trainer.warmup_steps=1", "trainer.max_bad_steps=2", "trainer.max_steps=200")  # fmt: skip
     assert result.returncode == 3, result.stderr[-2000:]
     assert "consecutive steps with non-finite loss or gradients" in result.stderr and "Traceback" not in result.stderr
     assert "update skipped" in result.stdout
@@ -213,9 +210,7 @@ def test_a_stop_just_after_a_validation_adds_no_near_copy_of_its_checkpoint(tmp_
     validation saves only checkpoint_last.pt, and a later stop validates and numbers its checkpoint."""
     for steps, numbered in ((21, [10, 20]), (13, [10, 13])):
         run_dir = tmp_path / f"run{steps}"
-        result = subprocess.run(
-            command(run_dir, tiny_corpus, f"trainer.max_steps={steps}"), cwd=ROOT, capture_output=True, text=True
-        )
+        result = train(run_dir, tiny_corpus, f"trainer.max_steps={steps}")
         assert result.returncode == 0, result.stderr[-2000:]
         assert [int(p.stem.split("_")[1]) for p in checkpoint.numbered(run_dir)] == numbered
         assert torch.load(run_dir / "checkpoint_last.pt", weights_only=False)["step"] == steps
