@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,8 +26,9 @@ from tests.conftest import DATA
 from transformer.checkpoint import load_model
 from transformer.decoding import DecodeConfig
 from transformer.decoding.strategies import STRATEGIES
+from transformer.errors import DataError
 from transformer.fast import accelerate
-from transformer.interop.marian import read_marian
+from transformer.interop.marian import read_marian, read_torch
 
 pytestmark = pytest.mark.e2e  # every test uses a MarianMT model trained here by Hugging Face
 
@@ -357,3 +359,23 @@ def test_a_multilingual_model_imports_and_translates_into_each_language_as_huggi
         assert result.stdout.splitlines() == hf_tokenizer.batch_decode(out, skip_special_tokens=True), tag
     result = run(["translate.py", f"checkpoint={output}", f"input={tmp_path / 'in.de'}"])
     assert result.returncode == 2 and "translates into deu, fra, spa: choose one with tgt_lang=" in result.stderr
+
+
+class RemovesAFile:
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __reduce__(self):
+        return os.remove, (str(self.victim),)
+
+
+def test_pytorch_weights_that_run_code_are_refused_without_advice_to_load_them_unsafely(tmp_path):
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me\n")
+    torch.save({"model.shared.weight": RemovesAFile(victim)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(DataError) as refused:
+        read_torch(tmp_path / "pytorch_model.bin")
+    message = str(refused.value)
+    assert "was refused as unsafe" in message and "posix.remove" in message and "\n" not in message
+    assert "weights_only" not in message and "can still be loaded" not in message
+    assert victim.read_text() == "keep me\n"

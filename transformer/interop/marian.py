@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -192,8 +193,11 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
 def read_torch(path: Path) -> dict[str, Tensor]:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise DataError(f"{path} is not a safe PyTorch state dict ({str(e).splitlines()[0]})") from None
+    except pickle.UnpicklingError as e:  # torch's message advises loading it unsafely: not repeated here
+        code = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if code:
+            raise DataError(f"{path} was refused as unsafe: it asks to run code when loaded ({code[1]}), which no state dict of tensors does; use the model's model.safetensors instead") from None  # fmt: skip
+        raise DataError(f"{path} is not a PyTorch state dict of tensors (the safe loader cannot read it)") from None
     except Exception as e:  # a damaged file fails inside the unpickler in many ways
         raise DataError(f"{path} is not a readable PyTorch file ({type(e).__name__}: {e})") from None
     if not isinstance(weights, dict) or not all(isinstance(t, Tensor) for t in weights.values()):
