@@ -66,6 +66,16 @@ def shared_corpus(tmp_path_factory) -> Path:
     return make_tiny_corpus(tmp_path_factory.mktemp("shared") / "corpus")
 
 
+class RemovesAFile:
+    """Unpickled, this calls os.remove(victim): a checkpoint that runs code when loaded."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __reduce__(self):
+        return os.remove, (str(self.victim),)
+
+
 # --- Tiny models and the variants the property tests run over (test_model.py, test_fast.py, ...) ---
 
 PAD, BOS, EOS = 0, 2, 3

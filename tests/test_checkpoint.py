@@ -1,6 +1,5 @@
 """Checkpoints: a save -> load round trip gives identical outputs; bad files are refused clearly."""
 
-import os
 import pickle
 
 import pytest
@@ -10,6 +9,8 @@ from transformer import checkpoint
 from transformer.checkpoint import CheckpointError
 from transformer.model import ModelConfig, Transformer
 from transformer.tokenizer import Tokenizer
+
+from .conftest import RemovesAFile
 
 SENTENCES = ["Ein Hund läuft im Park.", "A dog runs in the park.", "Zwei Männer spielen Fußball."] * 20
 
@@ -52,16 +53,6 @@ def test_arbitrary_pickled_objects_are_refused(tmp_path):
     torch.save({"format_version": checkpoint.FORMAT_VERSION, "payload": NotATensor()}, path)
     with pytest.raises(CheckpointError, match="refused as unsafe.*NotATensor"):
         checkpoint.load(path)
-
-
-class RemovesAFile:
-    """Unpickled, this calls os.remove(victim): a checkpoint that runs code when loaded."""
-
-    def __init__(self, victim):
-        self.victim = victim
-
-    def __reduce__(self):
-        return os.remove, (str(self.victim),)
 
 
 def test_a_checkpoint_that_runs_code_is_refused_without_advice_to_load_it_unsafely(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,7 +21,7 @@ import sentencepiece as spm
 import torch
 
 from tests import forked
-from tests.conftest import DATA
+from tests.conftest import DATA, RemovesAFile
 from transformer.checkpoint import load_model
 from transformer.decoding import DecodeConfig
 from transformer.decoding.strategies import STRATEGIES
@@ -359,14 +358,6 @@ def test_a_multilingual_model_imports_and_translates_into_each_language_as_huggi
         assert result.stdout.splitlines() == hf_tokenizer.batch_decode(out, skip_special_tokens=True), tag
     result = run(["translate.py", f"checkpoint={output}", f"input={tmp_path / 'in.de'}"])
     assert result.returncode == 2 and "translates into deu, fra, spa: choose one with tgt_lang=" in result.stderr
-
-
-class RemovesAFile:
-    def __init__(self, victim):
-        self.victim = victim
-
-    def __reduce__(self):
-        return os.remove, (str(self.victim),)
 
 
 def test_pytorch_weights_that_run_code_are_refused_without_advice_to_load_them_unsafely(tmp_path):

@@ -92,10 +92,10 @@ def refused(path: Path, error: pickle.UnpicklingError) -> CheckpointError:
     with weights_only=False, which runs whatever code the file names. Every checkpoint this toolkit
     has written loads safely, so there is no trusted older format to offer a way around it for."""
     message = str(error)
-    code = re.search(r"GLOBAL ([\w.]+)", message)  # the function or class it would import and call
+    code = code_it_would_run(error)
     if code:
         return CheckpointError(
-            f"{path} was refused as unsafe: it asks to run code when loaded ({code[1]}), which no"
+            f"{path} was refused as unsafe: it asks to run code when loaded ({code}), which no"
             " checkpoint of this toolkit does. It cannot be loaded; whoever made it should re-create it"
             " with train.py or convert it to this toolkit's format"
         )
@@ -104,6 +104,13 @@ def refused(path: Path, error: pickle.UnpicklingError) -> CheckpointError:
     opcode = re.search(r"Unsupported operand \S+", message)
     detail = f": {opcode[0].lower()}" if opcode else ""
     return CheckpointError(f"{path} is not a checkpoint of this toolkit (the safe loader cannot read it{detail})")
+
+
+def code_it_would_run(error: pickle.UnpicklingError) -> str | None:
+    """The function or class a pickle refused by torch's safe loader would import and call, from
+    torch's message; None when the refusal is for another reason."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return found[1] if found else None
 
 
 def check_entries(payload: dict, path: Path) -> None:

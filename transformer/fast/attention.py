@@ -81,6 +81,13 @@ def whole_cache(state: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tens
     return k_buffer, v_buffer, mask.view(1, 1, 1, -1)
 
 
+def cross_dtype(attn, x: Tensor) -> torch.dtype:
+    """The dtype cross-attention keys and values are kept and attended in for an `x` of the step:
+    fp32 under bf16 on a CPU where runtime.fp32_cross asks for it (`attn.fp32_cross`), else x's."""
+    fp32 = getattr(attn, "fp32_cross", False) and x.dtype == torch.bfloat16 and x.is_cpu
+    return torch.float32 if fp32 else x.dtype
+
+
 class FastMultiHeadAttention(MultiHeadAttention):
     """MultiHeadAttention with `fast_attention` as its kernel, growing self-attention caches,
     contiguous cross-attention caches (in fp32 under bf16 on a CPU, with runtime.fp32_cross) and
@@ -100,7 +107,7 @@ class FastMultiHeadAttention(MultiHeadAttention):
         if state is not None and static_kv:
             # Contiguous, once: as views of the projections, the batched products of every later
             # step would copy them again to fold batch and heads together.
-            dtype = torch.float32 if self.fp32_cross and k.dtype == torch.bfloat16 and k.is_cpu else k.dtype
+            dtype = cross_dtype(self, k)
             # (`.to(memory_format=...)` would hand the view back unchanged when the dtype matches.)
             k, v = k.to(dtype).contiguous(), v.to(dtype).contiguous()
             state["k"], state["v"] = k, v

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..blocks import LearnedPositions, NoPositions, SinusoidalPositions
-from .attention import fast_attention
+from .attention import cross_dtype, fast_attention
 
 
 class PoolExhausted(RuntimeError):
@@ -224,7 +224,7 @@ class PagedDecoder:
             q = attn.split_heads(attn.w_q(h), attn.n_heads)[:, :, 0]  # (rows, heads, head_size)
             grid = q.new_zeros(sentences * width, *q.shape[1:]).index_copy_(0, fold, q)
             grid = grid.view(sentences, width, *q.shape[1:]).transpose(1, 2)  # (sentences, heads, width, head_size)
-            out = self.attend(grid, *cross[i], cross_mask, getattr(attn, "fp32_cross", False))
+            out = self.attend(grid, *cross[i], cross_mask, cross_dtype(attn, grid))
             out = out.transpose(1, 2).flatten(0, 1).index_select(0, fold)[:, :, None]  # (rows, heads, 1, head_size)
             x = layer.cross_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))
             x = layer.ffn_norm.after(x, layer.ffn(layer.ffn_norm.before(x)))
@@ -240,13 +240,12 @@ class PagedDecoder:
             self.cross = (key, gathered)
         return self.cross[1]
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32: bool = False) -> Tensor:
-        """Attention of q on keys and values read from the pool, in q's dtype; with `fp32`
-        (cross-attention under runtime.fp32_cross) a bf16 step on a CPU attends in fp32, as
-        FastMultiHeadAttention does from its fp32 cross-attention cache."""
-        if fp32 and q.dtype == torch.bfloat16 and q.is_cpu:
-            with torch.autocast("cpu", enabled=False):
-                return fast_attention(q.float(), k.float(), v.float(), mask, 0.0).to(q.dtype)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Attention of q on keys and values read from the pool, in q's dtype, or in `dtype` (the
+        cross-attention's `cross_dtype`, as FastMultiHeadAttention attends from its cache)."""
+        if dtype is not None and dtype != q.dtype:
+            with torch.autocast(q.device.type, enabled=False):
+                return fast_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.0).to(q.dtype)
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         return fast_attention(q, k, v, mask, 0.0)

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import pickle
-import re
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ..checkpoint import code_it_would_run
 from ..errors import DataError
 from ..model import ModelConfig, Transformer
 from ..tokenizer import Tokenizer, Vocabulary
@@ -194,9 +194,9 @@ def read_torch(path: Path) -> dict[str, Tensor]:
     try:
         weights = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's message advises loading it unsafely: not repeated here
-        code = re.search(r"GLOBAL ([\w.]+)", str(e))
+        code = code_it_would_run(e)
         if code:
-            raise DataError(f"{path} was refused as unsafe: it asks to run code when loaded ({code[1]}), which no state dict of tensors does; use the model's model.safetensors instead") from None  # fmt: skip
+            raise DataError(f"{path} was refused as unsafe: it asks to run code when loaded ({code}), which no state dict of tensors does; use the model's model.safetensors instead") from None  # fmt: skip
         raise DataError(f"{path} is not a PyTorch state dict of tensors (the safe loader cannot read it)") from None
     except Exception as e:  # a damaged file fails inside the unpickler in many ways
         raise DataError(f"{path} is not a readable PyTorch file ({type(e).__name__}: {e})") from None
