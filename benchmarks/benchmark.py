@@ -108,9 +108,9 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
     """(src, tgt_in, tgt_out, non-padding tokens) of the first n shuffled Multi30k training batches."""
     import numpy as np
 
-    from transformer.batching import collate, token_batches, tokenize
     from transformer.data import DataConfig, load_split
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.batching import collate, token_batches, tokenize
+    from transformer.data.tokenizer import Tokenizer
 
     ds = load_split(DataConfig(dir=cfg.data_dir), "train")
     tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), VOCAB, "unigram")

@@ -47,6 +47,7 @@ import torch
 from common import CTranslate2InChild, hardware, marian_model, our_model, padded, timed
 from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig, Uncached, translate_ids
 from transformer.devices import ISA_LIMITS, cpu_has_bf16_matmul, limit_isa, pick_device
 from transformer.errors import exit_on_user_error
@@ -57,7 +58,6 @@ from transformer.files import atomic_write_text, check_output
 from transformer.interop.export import export
 from transformer.model import ModelConfig, Transformer, count_parameters
 from transformer.runtime import RuntimeConfig
-from transformer.tokenizer import Tokenizer
 
 
 @dataclass

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from transformer.blocks import SinusoidalPositions
 from transformer.devices import CPU_FEATURES, cpu_flags, isa_limit
 from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
+from transformer.model.blocks import SinusoidalPositions
 
 
 def hardware() -> dict:

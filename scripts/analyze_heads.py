@@ -71,8 +71,8 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv, HeadsConfig, __doc__)
         from transformer.analysis.heads import head_confidence, head_importance, masked_bleu, prune_least_important
         from transformer.analysis.plotting import head_heatmap, plt
-        from transformer.batching import tokenize
         from transformer.data import load_split
+        from transformer.data.batching import tokenize
         from transformer.translator import Translator
 
         translator = Translator.load(cfg.checkpoint, [], cfg.device, cfg.decode, cfg.runtime)

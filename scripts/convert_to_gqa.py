@@ -33,10 +33,10 @@ import torch
 from omegaconf import OmegaConf
 
 from transformer import checkpoint
-from transformer.batching import collate, token_batches, tokenize
 from transformer.cli import parse_args, setup_logging
 from transformer.config import Config, to_config
 from transformer.data import load_split
+from transformer.data.batching import collate, token_batches, tokenize
 from transformer.decoding import DecodeConfig
 from transformer.devices import pick_device
 from transformer.errors import ConfigError, exit_on_user_error

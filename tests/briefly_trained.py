@@ -7,9 +7,9 @@ import gzip
 import torch
 import torch.nn.functional as F
 
-from transformer.batching import pad
+from transformer.data.batching import pad
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import ModelConfig, Transformer
-from transformer.tokenizer import Tokenizer
 
 from .conftest import ROOT
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.attention_variants import AttentionConfig
 from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
+from transformer.model.attention_variants import AttentionConfig
 from transformer.runtime import RuntimeConfig
 
 ROOT = Path(__file__).resolve().parents[1]

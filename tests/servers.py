@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from transformer import checkpoint
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig
 from transformer.model import ModelConfig, Transformer
-from transformer.tokenizer import Tokenizer
 from transformer.translator import Translator
 
 from .conftest import DATA, ROOT

@@ -5,16 +5,16 @@ key/value cache, and composes as a config."""
 import pytest
 import torch
 
-from transformer.attention import MultiHeadAttention
-from transformer.attention_variants import (
+from transformer.decoding import DecodeConfig, Uncached, beam_search, greedy
+from transformer.model import ModelConfig, Transformer, count_parameters
+from transformer.model.attention import MultiHeadAttention
+from transformer.model.attention_variants import (
     AttentionConfig,
     DCMHAttention,
     MoHAttention,
     OverlappingHeadsAttention,
     balance_loss,
 )
-from transformer.decoding import DecodeConfig, Uncached, beam_search, greedy
-from transformer.model import ModelConfig, Transformer, count_parameters
 
 from .conftest import BOS, EOS, make_model, random_tokens
 

@@ -5,7 +5,7 @@ computation to bf16 precision, for every model variant, under both runtimes."""
 import pytest
 import torch
 
-from transformer.fast import attention
+from transformer.fast.cache import FastKeyValueCache
 from transformer.model import padding_mask
 
 from .conftest import PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
@@ -31,21 +31,24 @@ def test_bf16_incremental_decoding_agrees_with_full_recomputation(variant, runti
 @pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
 def test_bf16_decoding_reads_the_whole_cache_buffer_with_the_same_result(n_kv_heads, monkeypatch):
     """bf16 decoding steps on CPU attend over the self-attention cache's whole buffer, its empty
-    slots masked (attention.whole_cache). Each step's logits must match those from the cached
+    slots masked (FastKeyValueCache.whole). Each step's logits must match those from the cached
     tokens alone, before and after the buffer grows (16 -> 32 slots) and after a reorder."""
     model, src = make_model("fast", n_kv_heads=n_kv_heads), random_tokens(3, 5)
     src_mask = padding_mask(src, PAD)
     tgt = random_tokens(3, 20)
-    key_lengths, whole_cache = [], attention.whole_cache
+    key_lengths, whole = [], FastKeyValueCache.whole
 
-    def spy(state, k, v):
-        k, v, mask = whole_cache(state, k, v)
+    def spy(cache):
+        k, v, mask = whole(cache)
         key_lengths.append(k.size(2))
         return k, v, mask
 
+    def narrowed(cache):
+        return cache.k, cache.v, None
+
     def steps(whole: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as patch, torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            patch.setattr(attention, "whole_cache", spy if whole else lambda state, k, v: (k, v, None))
+            patch.setattr(FastKeyValueCache, "whole", spy if whole else narrowed)
             mask, rows = src_mask, torch.arange(3)
             memory, _ = model.encode(src, mask)
             state, logits = model.new_state(), []
@@ -57,9 +60,9 @@ def test_bf16_decoding_reads_the_whole_cache_buffer_with_the_same_result(n_kv_he
                     memory, mask = memory[rows], mask[rows]
         return logits
 
-    whole, narrowed = steps(True), steps(False)
+    whole_buffer, narrowed_view = steps(True), steps(False)
     assert key_lengths[0] == 16 and key_lengths[-1] == 32  # the whole buffer, not the tokens so far
-    for a, b in zip(whole, narrowed):
+    for a, b in zip(whole_buffer, narrowed_view):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
 
 
@@ -78,14 +81,14 @@ def test_bf16_decoding_keeps_cross_attention_keys_and_values_in_fp32():
         return torch.cat(steps, dim=1), state
 
     logits, state = decode(model, True)
-    assert state.layers[0]["cross"]["k"].dtype == state.layers[0]["cross"]["v"].dtype == torch.float32
-    assert state.layers[0]["self"]["k"].dtype == torch.bfloat16
+    assert state.layers[0].cross.k.dtype == state.layers[0].cross.v.dtype == torch.float32
+    assert state.layers[0].self.k.dtype == torch.bfloat16
     for module in model.modules():
         if hasattr(module, "fp32_cross"):
             module.fp32_cross = False
     bf16_cross, state = decode(model, True)
-    assert state.layers[0]["cross"]["k"].dtype == torch.bfloat16
+    assert state.layers[0].cross.k.dtype == torch.bfloat16
     torch.testing.assert_close(logits.float(), bf16_cross.float(), rtol=2e-2, atol=2e-2)
     pure, state = decode(make_model("fast").bfloat16(), False)
-    assert pure.dtype == torch.bfloat16 and state.layers[0]["cross"]["k"].dtype == torch.float32
+    assert pure.dtype == torch.bfloat16 and state.layers[0].cross.k.dtype == torch.float32
     torch.testing.assert_close(pure.float(), bf16_cross.float(), rtol=0.1, atol=0.1)

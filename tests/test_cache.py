@@ -2,8 +2,8 @@
 
 import torch
 
-from transformer.fast import cache
-from transformer.fast.cache import GrowingCache
+from transformer.fast.cache import FastKeyValueCache, GrowingCache
+from transformer.model.attention import KeyValueCache
 
 
 def test_growing_cache_matches_cat_and_index_select_through_growth_and_reorders():
@@ -34,29 +34,45 @@ def test_a_reorder_never_overwrites_the_rows_it_reads():
     assert grown.value.flatten().tolist() == [3.0, 2.0]
 
 
-def test_state_dict_helpers_keep_plain_tensors_for_readers():
-    state = {"static": torch.arange(3.0).view(3, 1)}
-    cache.append(state, "k", torch.ones(3, 2), dim=1)
-    cache.append(state, "k", torch.zeros(3, 1), dim=1)
-    assert state["k"].shape == (3, 3) and state["k"][:, 2].eq(0).all()
-    cache.reorder(state, torch.tensor([2, 0]))
-    assert state["static"].flatten().tolist() == [2.0, 0.0]  # plain tensors are gathered as before
-    assert state["k"].shape == (2, 3)
+def test_the_fast_cache_object_holds_what_the_reference_cache_holds():
+    """FastKeyValueCache (growing buffers) against KeyValueCache (torch.cat), through appends,
+    reorders and a variant's own tensors (`extra`): the same keys, values and positions."""
+    torch.manual_seed(0)
+    fast, reference = FastKeyValueCache(), KeyValueCache()
+    for step in range(20):  # capacity 16 -> 32
+        k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        for c in (fast, reference):
+            got_k, got_v, mask = c.append(k, v)
+            assert mask is None  # fp32: the cache's contents, no masked slots
+            c.extra["w"] = torch.full((3, step + 1), float(step))
+        torch.testing.assert_close(fast.k, reference.k, rtol=0, atol=0)
+        torch.testing.assert_close(fast.v, reference.v, rtol=0, atol=0)
+        assert fast.positions() == reference.positions() == step + 1
+        if step == 9:
+            for c in (fast, reference):
+                c.reorder(torch.tensor([2, 0, 0]))
+            assert fast.extra["w"].shape == (3, 10)
+    torch.testing.assert_close(fast.k, reference.k, rtol=0, atol=0)
 
 
 def test_the_whole_buffer_is_finite_past_its_contents():
-    """Readers of `cache.whole` mask the empty slots, which must still hold numbers: a masked slot
-    gets weight 0, and 0 * NaN is NaN. Memory just freed is full of NaN here, so an allocation
-    that reuses it uninitialized shows."""
-    state, rows = {}, torch.arange(6)
+    """Under bf16 a step attends to the whole buffer with its empty slots masked; those slots must
+    still hold numbers: a masked slot gets weight 0, and 0 * NaN is NaN. Memory just freed is full
+    of NaN here, so an allocation that reuses it uninitialized shows."""
+    fast, rows = FastKeyValueCache(), torch.arange(6)
     for step in range(20):  # capacity 16 -> 32; rows 6 -> 4 (gathered into a new buffer)
         torch.full((6, 2, 64, 8), float("nan")).sum()  # allocated, filled and freed
-        cache.append(state, "k", torch.randn(rows.numel(), 2, 1, 8), dim=2)
+        x = torch.randn(rows.numel(), 2, 1, 8, dtype=torch.bfloat16)
         if step == 17:
             rows = torch.tensor([5, 0, 2, 2])
             torch.full((6, 2, 64, 8), float("nan")).sum()
-            cache.reorder(state, rows)
-        buffer, filled = cache.whole(state, "k")
-        assert buffer.is_contiguous() and buffer.isfinite().all()
-        torch.testing.assert_close(buffer.narrow(2, 0, filled), state["k"], rtol=0, atol=0)
-    assert cache.whole(state, "v") is None and cache.whole(state, "k")[0].size(2) == 32
+            fast.reorder(rows)
+            x = x[: rows.numel()]
+        fast.append(x, x)
+        k, _, mask = fast.whole()
+        assert k.is_contiguous() and k.isfinite().all()
+        filled = step + 1
+        if filled < k.size(2):
+            assert mask.flatten().tolist() == [True] * filled + [False] * (k.size(2) - filled)
+        torch.testing.assert_close(k.narrow(2, 0, filled), fast.k, rtol=0, atol=0)
+    assert k.size(2) == 32

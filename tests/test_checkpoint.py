@@ -7,8 +7,8 @@ import torch
 
 from transformer import checkpoint
 from transformer.checkpoint import CheckpointError
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import ModelConfig, Transformer
-from transformer.tokenizer import Tokenizer
 
 from .conftest import RemovesAFile
 

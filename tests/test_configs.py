@@ -8,10 +8,10 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.attention_variants import VARIANTS, AttentionConfig
 from transformer.config import Config, register_schema, to_config
 from transformer.errors import ConfigError
 from transformer.model import ModelConfig
+from transformer.model.attention_variants import VARIANTS, AttentionConfig
 
 from .test_cli import assert_one_line_error, run
 

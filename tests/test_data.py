@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from transformer.batching import token_batches
 from transformer.data import DataConfig, DataError, clean_training_pairs, load_split, read_lines
+from transformer.data.batching import token_batches
 
 from .conftest import write_corpus
 
@@ -90,9 +90,9 @@ def generated_corpus(directory, n: int, seed: int = 0) -> None:
 def test_streaming_gives_the_same_batches_as_in_memory_reading(tmp_path, monkeypatch):
     """data.streaming=true reads a generated corpus through memory-mapped Arrow files; the pairs
     kept, their lengths and every batch equal those of in-memory reading."""
-    from transformer.batching import MappedCorpus, collate, filter_long, tokenize, tokenize_mapped
     from transformer.data import training_text
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.batching import MappedCorpus, collate, filter_long, tokenize, tokenize_mapped
+    from transformer.data.tokenizer import Tokenizer
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     generated_corpus(tmp_path / "gen", 3000)
@@ -123,10 +123,10 @@ def test_streaming_reports_the_line_that_is_not_utf8(tmp_path, monkeypatch):
 def test_subword_sampling_redraws_each_epoch_and_keeps_the_text(tmp_path, shared_corpus):
     """data.subword_alpha: each epoch sees another segmentation of the same sentences, a function
     of (seed, epoch); every sampled sequence still spells its sentence and fits data.max_len."""
-    from transformer.batching import filter_long, tokenize
     from transformer.config import Config
+    from transformer.data.batching import filter_long, tokenize
+    from transformer.data.tokenizer import Tokenizer
     from transformer.model import ModelConfig, Transformer
-    from transformer.tokenizer import Tokenizer
     from transformer.training import Trainer
 
     cfg = Config(data=DataConfig(dir=str(shared_corpus), subword_alpha=0.3, max_len=40))
@@ -166,8 +166,8 @@ def test_bad_subword_sampling_settings_are_refused(options, message):
 def test_subword_sampler_draws_segmentations_with_probability_p_to_the_alpha(shared_corpus):
     """Each of a sentence's n-best segmentations comes up with probability proportional to
     P(segmentation) ** alpha; the best one is the usual segmentation."""
-    from transformer.batching import SubwordSampler, tokenize
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.batching import SubwordSampler, tokenize
+    from transformer.data.tokenizer import Tokenizer
 
     ds = load_split(DataConfig(dir=str(shared_corpus)), "train")
     tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), vocab_size=300, model_type="unigram")

@@ -7,7 +7,7 @@ import torch
 
 from transformer import checkpoint
 from transformer import translator as translator_module
-from transformer.batching import pad
+from transformer.data.batching import pad
 from transformer.decoding import (
     STRATEGIES,
     DecodeConfig,
@@ -257,7 +257,7 @@ def test_ensemble_of_one_model_twice_decodes_like_the_model():
 
 
 def char_tokenizer():
-    from transformer.tokenizer import Tokenizer
+    from transformer.data.tokenizer import Tokenizer
 
     return Tokenizer.train(["ein hund läuft", "a dog runs", "zwei katzen"] * 20, vocab_size=30, model_type="char")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from transformer import checkpoint
-from transformer.batching import Batch
+from transformer.data.batching import Batch
 from transformer.monitoring import Throughput
 
 from .test_cli import run

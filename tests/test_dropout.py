@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from transformer.blocks import word_dropout
 from transformer.fast.dropout import FastDropout, dropout, keep_mask
+from transformer.model.blocks import word_dropout
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Every fast path against the reference it replaces (transformer/fast/ against transformer/model.py,
+"""Every fast path against the reference it replaces (transformer/fast/ against transformer/model/transformer.py,
 attention.py, blocks.py): kernels, caches, folded beams, grouped encoding, and whole models trained
 and decoded under both runtimes."""
 
@@ -7,15 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer import attention_variants
-from transformer.attention import MultiHeadAttention, Rotary, scaled_dot_product_attention
-from transformer.attention_variants import AttentionConfig
 from transformer.decoding import DecodeConfig, beam_search, greedy
 from transformer.fast import accelerate, fast_class
 from transformer.fast.attention import FastMultiHeadAttention, fast_attention, product_attention
 from transformer.fast.encoding import length_groups
 from transformer.fast.model import FastRotary, FastTransformer
-from transformer.model import Transformer, padding_mask
+from transformer.model import Transformer, attention_variants, padding_mask
+from transformer.model.attention import MultiHeadAttention, Rotary, scaled_dot_product_attention
+from transformer.model.attention_variants import AttentionConfig
 from transformer.runtime import RuntimeConfig
 
 from .conftest import BOS, CONDITIONED_NOISE, EOS, PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
@@ -106,7 +105,7 @@ def test_cross_attention_caches_its_keys_and_values_contiguous():
         state = model.new_state()
         model.decode(torch.full((3, 1), BOS), memory, src_mask, state)
     for layer in state.layers:
-        assert layer["cross"]["k"].is_contiguous() and layer["cross"]["v"].is_contiguous()
+        assert layer.cross.k.is_contiguous() and layer.cross.v.is_contiguous()
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -168,7 +167,7 @@ def test_cross_attention_of_grouped_beams_equals_attention_to_repeated_memory():
     src_mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     src_mask[1, ..., 4:] = False
     with torch.no_grad():
-        out, weights = layer.attend_memory(query, memory, src_mask, {}, need_weights=True)
+        out, weights = layer.attend_memory(query, memory, src_mask, None, need_weights=True)
         reference, ref_weights = layer.cross_attn(
             query, memory.repeat_interleave(3, 0), src_mask.repeat_interleave(3, 0), None, True, True
         )
@@ -213,10 +212,10 @@ class TemperedKeysAttention(MultiHeadAttention):
         super().__init__(d_model, n_heads, n_kv_heads, dropout, bias, rotary)
         self.temperature = nn.Parameter(torch.linspace(0.5, 2.0, n_kv_heads))
 
-    def keys_values(self, k, v, state, static_kv, offset=0):
+    def keys_values(self, k, v, cache, static_kv, offset=0):
         if k is not None:
             k = k * self.temperature.repeat_interleave(self.d_head).to(k.dtype)
-        return super().keys_values(k, v, state, static_kv, offset)
+        return super().keys_values(k, v, cache, static_kv, offset)
 
 
 @pytest.fixture
@@ -234,6 +233,7 @@ def test_the_fast_runtime_keeps_the_steps_a_variant_overrides(tempered, caplog):
     assert type(attention).__name__ == "FastTemperedKeysAttention"
     assert type(attention).keys_values is TemperedKeysAttention.keys_values
     assert type(attention).attend is FastMultiHeadAttention.attend
-    assert fast_class(TemperedKeysAttention)[1] == ["keys_values"]
+    assert fast_class(TemperedKeysAttention)[1] == []  # caching is the cache object's: nothing to keep
+    assert fast_class(attention_variants.DCMHAttention)[1] == ["attend"]  # its own attend is kept
     test_fast_training_step_equals_the_reference(tempered)
     test_fast_decoding_equals_the_reference(tempered)

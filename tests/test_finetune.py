@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from transformer import checkpoint
-from transformer.batching import tokenize
 from transformer.data import DataConfig, load_split
+from transformer.data.batching import tokenize
 from transformer.training.validation import validation_loss
 
 from .conftest import DATA, write_corpus

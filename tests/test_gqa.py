@@ -4,8 +4,8 @@ alignment, and lossless merging of heads that are copies of each other."""
 import pytest
 import torch
 
-from transformer.attention import MultiHeadAttention
 from transformer.interop.gqa import align_heads, convert_to_gqa, kv_cache_bytes_per_token, merge_heads
+from transformer.model.attention import MultiHeadAttention
 
 from .conftest import make_model
 

@@ -10,7 +10,7 @@ from torch import nn
 
 import transformer.fast.int8
 from transformer import checkpoint
-from transformer.batching import pad
+from transformer.data.batching import pad
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from transformer.attention import MultiHeadAttention
 from transformer.decoding import DecodeConfig, greedy
 from transformer.fast import install
 from transformer.model import ModelConfig, Transformer, causal_mask, padding_mask
+from transformer.model.attention import MultiHeadAttention
 from transformer.runtime import RuntimeConfig
 
 from .conftest import BOS, EOS, PAD, RUNTIMES, VARIANTS, make_model, random_tokens, variant_id
@@ -126,7 +126,7 @@ def test_incremental_decoding_equals_full_recomputation(variant, runtime):
         steps = [model.decode(tgt[:, i : i + 1], memory, src_mask, state)[0] for i in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-9, atol=1e-10)
     n_kv = model.cfg.kv_heads
-    assert state.layers[0]["self"]["k"].shape == (3, n_kv, 7, model.cfg.head_size)  # shrinks with n_kv_heads
+    assert state.layers[0].self.k.shape == (3, n_kv, 7, model.cfg.head_size)  # shrinks with n_kv_heads
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
@@ -153,9 +153,9 @@ def test_decoder_state_reorder_selects_batch_rows(runtime):
         memory, _ = model.encode(src, src_mask)
         state = model.new_state()
         model.decode(torch.full((3, 1), BOS), memory, src_mask, state)
-        k = state.layers[0]["self"]["k"].clone()
+        k = state.layers[0].self.k.clone()
         state.reorder(torch.tensor([2, 2, 0]))
-    torch.testing.assert_close(state.layers[0]["self"]["k"], k[[2, 2, 0]])
+    torch.testing.assert_close(state.layers[0].self.k, k[[2, 2, 0]])
 
 
 def test_base_preset_is_the_paper_model():

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from transformer import checkpoint
-from transformer.batching import collate, tokenize
 from transformer.data import DataConfig, load_split
+from transformer.data.batching import collate, tokenize
+from transformer.data.sampling import direction_sizes, language_text, resample
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig
 from transformer.errors import CheckpointError, ConfigError
-from transformer.sampling import direction_sizes, language_text, resample
-from transformer.tokenizer import Tokenizer
 from transformer.translator import Translator
 
 from . import forked
@@ -129,7 +129,7 @@ def test_a_tagged_tokenizer_tags_every_source_in_memory_and_streamed():
     split in memory or in memory-mapped Arrow files (data.streaming): every source gets the tag."""
     import datasets
 
-    from transformer.batching import tokenize_mapped
+    from transformer.data.batching import tokenize_mapped
 
     de, en = multi30k("train", "de", 200), multi30k("train", "en", 200)
     tokenizer = Tokenizer.train(de + en, 200, "unigram", symbols=["<2en>", "<2de>"])

@@ -3,7 +3,8 @@
 positions gives the reference model's own incremental logits; sentences that join and leave a
 running batch get translate_ids' translations, greedy and beam, for the model variants the
 engine runs (the default recipe's block among them), and under bf16 too; a full pool makes
-sentences wait; a cancelled sentence gives its blocks back; a sentence whose encoder pass fails
+sentences wait, and a pool a quarter of the need preempts and still translates every sentence the
+same; a cancelled sentence gives its blocks back; a sentence whose encoder pass fails
 leaves with its blocks returned while the batch runs on."""
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 
 from transformer.decoding import DecodeConfig
 from transformer.decoding.engine import AdmissionFailed, Engine, Sentence
-from transformer.fast import accelerate
-from transformer.fast.paged import BlockPool, PagedDecoder
+from transformer.fast import accelerate, paged
+from transformer.fast.paged import BlockPool
 from transformer.model import padding_mask
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
@@ -70,7 +71,6 @@ def test_blocks_are_shared_by_forks_and_copied_on_write():
     pool.release(parent)
     pool.release(child)
     assert sorted(pool.free) == list(range(6))
-    assert pool.reserve(6) and not pool.reserve(1)
 
 
 @pytest.mark.isa
@@ -91,10 +91,9 @@ def test_a_step_over_rows_at_different_positions_gives_the_reference_logits(vari
         expected = reference.decode(targets, reference.encode(src, src_mask)[0], src_mask)[0]  # (2, 6, vocab)
         memory = model.encode(src, src_mask)[0]
     lengths = [7, 5]
-    pool = BlockPool(32, 2, *PagedDecoder.pool_shape(model), torch.float32, "cpu")
-    decoder = PagedDecoder(model, pool)
+    pool = BlockPool(32, 2, *paged.pool_shape(model), torch.float32, "cpu")
     cross = [[pool.allocate() for _ in range(pool.blocks_for(n))] for n in lengths]
-    decoder.store_memory(memory, lengths, cross)
+    paged.store_memory(model, pool, memory, lengths, cross)
     rows = [([], 0, 0)]  # (table, sentence, position)
     for step in range(6):
         if step == 2:  # the second sentence joins, as two beams that will share its first block
@@ -106,17 +105,19 @@ def test_a_step_over_rows_at_different_positions_gives_the_reference_logits(vari
         width = 1 + (len(rows) == 3)
         fold = [0] + ([width, width + 1][: len(rows) - 1])
         as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-        logits = decoder.step(
-            tokens=as_long([targets[s, pos] for _, s, pos in rows]),
+        state = paged.PagedState(
+            pool,
             positions=as_long([pos for _, _, pos in rows]),
             write_slots=as_long(slots),
             self_slots=pool.slots([t for t, _, _ in rows], longest),
             self_lengths=as_long([pos + 1 for _, _, pos in rows]),
-            cross_slots=pool.slots(cross, 7),
-            cross_lengths=as_long(lengths),
+            memory=paged.PagedMemory(pool, pool.slots(cross, 7), torch.float32),
             fold=as_long(fold),
             width=width,
         )
+        tokens = as_long([targets[s, pos] for _, s, pos in rows])[:, None]
+        with torch.no_grad():
+            logits = model.decode(tokens, None, src_mask, state)[0][:, 0]
         for row, (_, s, pos) in enumerate(rows):
             torch.testing.assert_close(logits[row], expected[s, pos], rtol=1e-4, atol=1e-4)
         rows = [(t, s, pos + 1) for t, s, pos in rows]
@@ -151,7 +152,7 @@ def test_sentences_joining_a_running_batch_get_translate_ids_translations(accele
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in expected]
     for hyps, ref in zip(got, expected):
         assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
-    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks)) and engine.pool.promised == 0
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
 
 
 @pytest.mark.isa
@@ -173,6 +174,9 @@ def test_bf16_continuous_batching_gets_the_corpus_decoders_bf16_translations(acc
 
 
 def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
+    """A pool that holds the longest sentence alone at its worst: the sentences take turns, and
+    those that joined last give their blocks back when it runs dry and start again; every one
+    gets translate_ids' translation."""
     model, tokenizer = trained_model(corpus, {}, steps=60)
     settings = DecodeConfig(strategy="beam", beam_size=4)
     translator = Translator(model, tokenizer, "cpu", settings)
@@ -185,15 +189,45 @@ def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
         engine.add(probe)  # one block can never hold it
     per_block = engine.pool.keys[:, :4].nbytes * 2
     engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=engine.need(probe) * per_block, block_size=4)
-    most, out = 0, [None] * len(sources)
+    out = [None] * len(sources)
     for i, ids in enumerate(sources):
         engine.add(Sentence(ids + [tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
     while engine.busy:
         engine.step(max_new_tokens=4096)
-        most = max(most, len(engine.running))
-        assert engine.pool.promised <= engine.pool.n_blocks
-    assert most < len(sources)  # they took turns
+    assert engine.most_running < len(sources)  # they took turns
     assert [h[0].tokens for h in out] == [h[0].tokens for h in expected]
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+
+
+def test_a_pool_a_quarter_of_the_need_preempts_and_translates_every_sentence_the_same(corpus):
+    """Blocks are taken as sentences grow, so more sentences run at once than worst-case
+    reservation would let in; when the pool runs dry, preempted sentences start again later and
+    their translations are unchanged (n-best lists and scores included)."""
+    model, tokenizer = trained_model(corpus, {}, steps=60)
+    settings = DecodeConfig(strategy="beam", beam_size=4, n_best=2)
+    translator = Translator(model, tokenizer, "cpu", settings)
+    sources = translator.encode(corpus[0][:16])
+    expected = translator.translate_ids(sources, settings)
+    probe = Engine(model, tokenizer, settings, "cpu", pool_bytes=1, block_size=4)
+    needs = []
+    for ids in sources:
+        sentence = Sentence(ids + [tokenizer.eos_id], settings, lambda nb: None)
+        sentence.max_len = probe.length_limit(len(sentence.ids), settings)
+        needs.append(probe.need(sentence))
+    per_block = probe.pool.keys[:, :4].nbytes * 2
+    blocks = max(max(needs), sum(needs) // 4)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=blocks * per_block, block_size=4)
+    out = [None] * len(sources)
+    for i, ids in enumerate(sources):
+        engine.add(Sentence(ids + [tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
+    while engine.busy:
+        engine.step(max_new_tokens=4096)
+    reserved_at_once = blocks // max(needs)  # what worst-case reservation would have run together
+    assert engine.preemptions > 0 and engine.most_running > reserved_at_once
+    assert [[h.tokens for h in hyps] for hyps in out] == [[h.tokens for h in hyps] for hyps in expected]
+    for hyps, ref in zip(out, expected):
+        assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
 
 
 def test_a_cancelled_sentence_leaves_and_gives_its_blocks_back(corpus):
@@ -225,7 +259,6 @@ def test_a_sentence_whose_encoder_pass_fails_leaves_with_its_blocks_and_the_batc
     answered = []
     engine.add(Sentence(ids[0] + [tokenizer.eos_id], settings, answered.append))
     engine.step(4096)
-    running = engine.pool.promised
     engine.add(Sentence(ids[1] + [tokenizer.eos_id], settings, answered.append))
 
     def broken(*args, **kwargs):
@@ -236,9 +269,10 @@ def test_a_sentence_whose_encoder_pass_fails_leaves_with_its_blocks_and_the_batc
         while engine.waiting:  # it joins within JOIN_STEPS steps
             engine.step(4096)
     assert [s.ids for s in failed.value.sentences] == [ids[1] + [tokenizer.eos_id]]
-    assert not engine.waiting and len(engine.running) == 1 and engine.pool.promised == running
+    assert not engine.waiting and len(engine.running) == 1
+    held = {block for s in engine.running for table in [s.cross] + [row.table for row in s.rows] for block in table}
+    assert engine.pool.n_blocks - len(engine.pool.free) == len(held)  # the failed sentence's blocks came back
     monkeypatch.undo()
     while engine.busy:
         engine.step(4096)
     assert len(answered) == 1 and sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
-    assert engine.pool.promised == 0

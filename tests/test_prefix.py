@@ -5,7 +5,7 @@ forcing what greedy search would choose anyway changes nothing; bad prefix input
 import pytest
 import torch
 
-from transformer.batching import pad
+from transformer.data.batching import pad
 from transformer.decoding import STRATEGIES, DecodeConfig, Ensemble, Uncached, beam_search, greedy, translate_ids
 from transformer.decoding.corpus import translate_texts
 from transformer.decoding.inputs import split_prefixes

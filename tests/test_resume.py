@@ -12,8 +12,8 @@ import torch
 
 from transformer import checkpoint
 from transformer.data import corpus_file, read_lines
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import ModelConfig, Transformer
-from transformer.tokenizer import Tokenizer
 from transformer.training.resume import config_differences
 
 from . import forked

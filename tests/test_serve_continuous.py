@@ -23,7 +23,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from transformer.fast.paged import PagedDecoder
+from transformer.fast.paged import PagedKeyValueCache
 from transformer.serving import ServeLimits
 from transformer.serving import app as serving_app
 from transformer.serving.metrics import Metrics
@@ -96,7 +96,7 @@ def test_continuous_batching_answers_as_translate_py_with_a_full_pool_and_a_clie
         assert post(server, {"text": texts[:2], "beam_size": 4}).json()["translations"] == expected[4][:2]
         assert wait_for(lambda: httpx.get(server.url + "/health").json()["pool"]["free"] == pool["blocks"])
         health = httpx.get(server.url + "/health").json()
-    assert health["pool"]["promised"] == 0 and health["scheduler"] == "continuous"
+    assert health["pool"]["free"] == health["pool"]["blocks"] and health["scheduler"] == "continuous"
 
 
 def test_torch_work_other_than_decoding_runs_on_the_decoding_thread(model_path):
@@ -158,7 +158,7 @@ def test_a_client_that_disconnects_has_its_blocks_back_within_a_few_steps(model_
         started = time.perf_counter()
         with raw_post(server, body):
             assert wait_for(lambda: health(server)["pool"]["free"] < blocks, every=0.005)  # they run
-        free = {"blocks": blocks, "block_size": 16, "free": blocks, "promised": 0}
+        free = {"blocks": blocks, "block_size": 16, "free": blocks, "preemptions": 0}
         assert wait_for(lambda: health(server)["pool"] == free, timeout=full + 10, every=0.005)
         back = time.perf_counter() - started
         assert back < full / 2, f"the blocks came back {back:.2f} s after the request, which takes {full:.2f} s"
@@ -187,7 +187,7 @@ async def answer(response, seconds: float = 30) -> httpx.Response:
 
 
 def test_a_request_whose_sentences_cannot_be_encoded_gets_a_500_and_the_engine_serves_on(model_path, monkeypatch):
-    """The engine admits sentences (reserving their blocks) before their encoder pass: when that
+    """The engine admits sentences (taking their first blocks) before their encoder pass: when that
     raises, their request is answered with the error and the blocks go back."""
     translator = loaded_translator(model_path)
     encode, texts = translator.model.encode, corpus_lines("de", 3, "val")
@@ -207,7 +207,7 @@ def test_a_request_whose_sentences_cannot_be_encoded_gets_a_500_and_the_engine_s
     failed, status, answered = asyncio.run(requests())
     assert failed.status_code == 500 and "the encoder broke" in failed.json()["error"], failed.text
     pool = status["pool"]
-    assert pool["free"] == pool["blocks"] and pool["promised"] == 0 and status["status"] == "ok"
+    assert pool["free"] == pool["blocks"] and status["status"] == "ok"
     assert answered.status_code == 200
     assert answered.json()["translations"] == translator.texts([h[0] for h in translator.translate_batch(translator.encode(texts), translator.decode)])  # fmt: skip
 
@@ -219,7 +219,7 @@ def test_health_checks_the_engine_that_serves(model_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the paged step broke")
 
-    monkeypatch.setattr(PagedDecoder, "step", broken)
+    monkeypatch.setattr(PagedKeyValueCache, "append", broken)
     translator = loaded_translator(model_path)
     with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="continuous", pool_mib=1))) as client:
         assert wait_for(lambda: client.get("/health").json()["status"] != "loading", timeout=60)

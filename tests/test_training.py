@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.batching import collate, tokenize
 from transformer.config import Config, ConfigError
 from transformer.data import DataConfig
+from transformer.data.batching import collate, tokenize
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig, translate_corpus
 from transformer.devices import autocast_dtype, cpu_has_bf16_matmul, require_cpp_compiler
 from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
 from transformer.runtime import RuntimeConfig
-from transformer.tokenizer import Tokenizer
 from transformer.training import Trainer, run
 from transformer.training.config import TrainerConfig
 from transformer.training.objective import label_smoothed_loss, smoothed_cross_entropy, symmetric_kl

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from transformer.batching import SubwordSampler, tokenize
 from transformer.checkpoint import load_model
 from transformer.data import DataConfig, load_split
+from transformer.data.batching import SubwordSampler, tokenize
+from transformer.data.tokenizer import Tokenizer
 from transformer.model import ModelConfig, Transformer
-from transformer.tokenizer import Tokenizer
 
 from .test_cli import run, train
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
+from .data.tokenizer import Tokenizer, Vocabulary
 from .errors import CheckpointError, DataError
 from .files import atomic_open
 from .model import ModelConfig, Transformer
-from .tokenizer import Tokenizer, Vocabulary
 
 FORMAT_VERSION = 1
 

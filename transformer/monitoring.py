@@ -18,7 +18,7 @@ from .files import atomic_write_text
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-    from .batching import Batch
+    from .data.batching import Batch
 
 
 def progress_bar(total: int, desc: str, unit: str = "sent", initial: int = 0):

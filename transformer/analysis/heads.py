@@ -9,7 +9,7 @@ from itertools import product
 import torch
 from torch import Tensor
 
-from ..batching import TokenizedCorpus, collate, token_batches
+from ..data.batching import TokenizedCorpus, collate, token_batches
 from ..decoding import DecodeConfig, translate_corpus
 from ..evaluation import score
 from ..model import Transformer, padding_mask

@@ -12,11 +12,13 @@ Every search talks to the model through one incremental-state interface:
 (the reference the cache is tested and benchmarked against), `Ensemble` by averaging several
 models' probabilities (models.py). Loading a model to decode with, its runtime and precision, is
 transformer.translator.Translator's. A target prefix that translations must start with is the
-searches' business, not the model's: while a sentence's prefix lasts, `search.force_prefix` leaves
+searches' business, not the model's: while a sentence's prefix lasts, `processors.force_prefix` leaves
 its next token one choice, so the cache, ensembles and every strategy take it unchanged.
 
     config.py      DecodeConfig: the decode.* settings
     strategies.py  the strategies by name (greedy, beam, sample) and how they differ
+    processors.py  the step every search shares: logits -> log-probabilities (length limits,
+                   EOS rules, prefixes), and the one stopping rule of beam searches
     search.py      what every search shares; greedy search and sampling
     beam.py        beam search
     constrained.py beam search whose translations contain given phrases (constraints=true)

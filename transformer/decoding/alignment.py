@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..batching import pad, token_batches
+from ..data.batching import pad, token_batches
 from ..errors import ConfigError
 from ..model import padding_mask
 from .models import Ensemble, Uncached

@@ -10,19 +10,14 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..model import padding_mask
-from .search import Hypothesis, force_prefix, max_lengths, select, worth_pruning
+from .processors import length_penalty, log_probs, max_lengths, sentence_done, source_lengths
+from .search import Hypothesis, select, worth_pruning
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
-
-
-def length_penalty(length: Tensor | int, alpha: float):
-    """GNMT (Wu et al., 2016): lp(Y) = ((5 + |Y|) / 6) ** alpha."""
-    return ((5 + length) / 6) ** alpha
 
 
 @torch.no_grad()
@@ -42,7 +37,7 @@ def beam_search(
     """
     k, batch, pad_id = cfg.beam_size, src.size(0), model.cfg.pad_id
     src_mask = padding_mask(src, pad_id)
-    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1, prefix)  # (batch,)
+    max_len = max_lengths(source_lengths(src_mask), cfg, model.cfg.max_positions - 1, prefix)  # (batch,)
     host_max_len = max_len.cpu()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
@@ -58,9 +53,8 @@ def beam_search(
     for step in range(int(host_max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         forcing = bool((step + 1 >= host_max_len).any())
-        lprobs = step_log_probs(logits[:, -1], step, max_len.repeat_interleave(width), forcing, eos_id, pad_id, cfg.min_len)  # fmt: skip
-        if prefix is not None and step < prefix.size(1):  # while a prefix lasts, its beams have one extension
-            lprobs = force_prefix(lprobs, prefix.repeat_interleave(width, dim=0), step)
+        prefixes = prefix.repeat_interleave(width, dim=0) if prefix is not None and step < prefix.size(1) else None
+        lprobs = log_probs(logits[:, -1], step, max_len.repeat_interleave(width), eos_id, pad_id, cfg.min_len, prefixes, forcing=forcing)  # fmt: skip
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
         beam, token = index // vocab, index % vocab
@@ -98,24 +92,6 @@ def survivors(top: Tensor, beam: Tensor, token: Tensor, ends: Tensor, k: int) ->
     return scores.gather(1, order), beam.gather(1, order), token.gather(1, order)
 
 
-def step_log_probs(
-    logits: Tensor, step: int, max_len: Tensor, forcing: bool, eos_id: int, pad_id: int, min_len: int = 0
-) -> Tensor:
-    """Log-probabilities of the next token; padding is never generated, EOS is forced at max_len
-    and refused before min_len tokens. `forcing` says whether any row is at its max_len, which
-    the caller knows from its host copy of the lengths without waiting for the device."""
-    lprobs = F.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
-    lprobs[:, pad_id] = -math.inf
-    out_of_room = step + 1 >= max_len
-    if step < min_len:
-        lprobs[:, eos_id] = torch.where(out_of_room, lprobs[:, eos_id], -math.inf)
-    if forcing:
-        forced = torch.full_like(lprobs[0], -math.inf)
-        forced[eos_id] = 0.0
-        lprobs[out_of_room] = torch.where(forced.isfinite(), lprobs[out_of_room], forced)
-    return lprobs
-
-
 def add_finished(finished, done, top, beam, ends, tokens, width: int, cfg: DecodeConfig) -> None:
     """Record candidates ranked among the best k that end in EOS (sentences not yet done);
     tokens holds `width` rows per sentence."""
@@ -139,21 +115,6 @@ def search_done(finished, scores: Tensor, max_len: Tensor, step: int, n_best: in
     for sent, hyps in enumerate(finished):
         done[sent] = sentence_done(hyps, float(scores[sent].max()), int(max_len[sent]), step, n_best, alpha)
     return done
-
-
-def sentence_done(finished: list[Hypothesis], best_live: float, max_len: int, step: int, n_best: int, alpha: float) -> bool:  # fmt: skip
-    """Whether a sentence has reached its length limit, or has n_best finished hypotheses and no
-    live beam (the best of them has log-probability best_live) can beat the n_best-th best.
-
-    Log-probabilities only fall as a hypothesis grows, so a live beam's best reachable score is
-    its log-probability divided by the largest length penalty it can still get.
-    """
-    if step + 1 >= max_len:
-        return True
-    if len(finished) < n_best:
-        return False
-    nth_best = sorted(h.score for h in finished)[-n_best]
-    return best_live / length_penalty(max_len, alpha) <= nth_best
 
 
 def best_extensions(scores: Tensor, lprobs: Tensor, count: int) -> tuple[Tensor, Tensor]:

@@ -8,10 +8,14 @@ import math
 from dataclasses import dataclass
 
 from ..devices import PRECISIONS
-from .mbr import UTILITIES, WEIGHTS
-from .strategies import STRATEGIES
 
 DECODE_PRECISIONS = (*PRECISIONS, "int8")  # int8: linear layers quantized for CPU decoding (fast/int8.py)
+# The strategies by name, and whether each keeps beam_size hypotheses per sentence and ranks them
+# (then n_best and MBR apply). strategies.py registers one search function under each name; this
+# module, which every other one reads, imports none of them.
+STRATEGY_RANKS = {"greedy": False, "beam": True, "sample": False}
+MBR_UTILITIES = ("none", "chrf", "bleu")  # decode.mbr (mbr.py)
+MBR_WEIGHTS = ("model", "uniform")  # decode.mbr_weights
 
 
 @dataclass
@@ -35,17 +39,17 @@ class DecodeConfig:
     alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (negative: from the last)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"decode.strategy={self.strategy!r} is not one of {tuple(STRATEGIES)}")
+        if self.strategy not in STRATEGY_RANKS:
+            raise ValueError(f"decode.strategy={self.strategy!r} is not one of {tuple(STRATEGY_RANKS)}")
         self.check_ranges()
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
         if self.precision not in DECODE_PRECISIONS:
             raise ValueError(f"decode.precision={self.precision!r} is not one of {DECODE_PRECISIONS}")
-        if self.mbr not in UTILITIES or self.mbr_weights not in WEIGHTS:
-            raise ValueError(f"decode.mbr must be one of {UTILITIES} and decode.mbr_weights one of {WEIGHTS}")
-        if self.mbr != "none" and not STRATEGIES[self.strategy].ranks:
-            ranking = "|".join(name for name, strategy in STRATEGIES.items() if strategy.ranks)
+        if self.mbr not in MBR_UTILITIES or self.mbr_weights not in MBR_WEIGHTS:
+            raise ValueError(f"decode.mbr must be one of {MBR_UTILITIES} and decode.mbr_weights one of {MBR_WEIGHTS}")
+        if self.mbr != "none" and not self.ranks:
+            ranking = "|".join(name for name, ranks in STRATEGY_RANKS.items() if ranks)
             raise ValueError(
                 f"decode.mbr={self.mbr} reranks beam search's hypotheses: it needs decode.strategy={ranking}"
             )
@@ -69,6 +73,13 @@ class DecodeConfig:
         return dataclasses.replace(self, strategy="greedy", mbr="none")
 
     @property
+    def ranks(self) -> bool:
+        """Whether the strategy keeps beam_size hypotheses per sentence and ranks them."""
+        return STRATEGY_RANKS[self.strategy]
+
+    @property
     def label(self) -> str:
         """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
-        return STRATEGIES[self.strategy].label(self)
+        if not self.ranks:
+            return self.strategy
+        return f"{self.strategy}{self.beam_size}" + (f"-mbr-{self.mbr}" if self.mbr != "none" else "")

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..model import padding_mask
-from .beam import length_penalty, step_log_probs
-from .search import Hypothesis, max_lengths
+from .processors import length_penalty, log_probs, max_lengths, sentence_done, source_lengths
+from .search import Hypothesis
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
@@ -117,7 +117,7 @@ def constrained_beam_search(
     src_mask = padding_mask(src, pad_id)
     limit = model.cfg.max_positions - 1
     extra = torch.tensor([sum(map(len, c)) for c in constraints], device=src.device)
-    max_len = (max_lengths(src_mask, cfg, limit) + extra).clamp(max=limit)
+    max_len = max_lengths(source_lengths(src_mask), cfg, limit, extra=extra)
     host_max_len = max_len.tolist()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
@@ -128,11 +128,9 @@ def constrained_beam_search(
     done = [False] * batch
     for step in range(max(host_max_len)):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        lprobs = step_log_probs(logits[:, -1], step, max_len.repeat_interleave(k), True, eos_id, pad_id, cfg.min_len)
-        total = torch.tensor(scores, device=src.device).view(-1, 1) + lprobs  # (batch * k, vocab)
-        may_not_end = [step + 1 < host_max_len[s] and not p.complete(constraints[s]) for s in range(batch) for p in progress[s]]  # fmt: skip
-        total[torch.tensor(may_not_end, device=src.device), eos_id] = -math.inf  # no EOS before every phrase
-        total = total.view(batch, k, -1)
+        incomplete = torch.tensor([not p.complete(constraints[s]) for s in range(batch) for p in progress[s]], device=src.device)  # fmt: skip
+        lprobs = log_probs(logits[:, -1], step, max_len.repeat_interleave(k), eos_id, pad_id, cfg.min_len, may_not_end=incomplete)  # fmt: skip
+        total = (torch.tensor(scores, device=src.device).view(-1, 1) + lprobs).view(batch, k, -1)
         top = total.view(batch, -1).topk(2 * k, dim=1).indices.cpu()
         rows, chosen, scores, progress_before, progress = [], [], [], progress, []
         for s in range(batch):
@@ -143,7 +141,10 @@ def constrained_beam_search(
                     hyp = Hypothesis(tokens[s * k + c.beam, 1:].tolist(), c.score / length_penalty(tokens.size(1), cfg.length_penalty), c.score)  # fmt: skip
                     finished[s].append((c.progress.tokens_met(constraints[s]), hyp))
                 live = allocate([c for c in candidates if c.token != eos_id], k, constraints[s])
-                done[s] = step + 1 >= host_max_len[s] or sentence_done(finished[s], live, k, host_max_len[s], cfg)
+                best_live = max((c.score for c in live), default=-math.inf)
+                done[s] = sentence_done(
+                    [h for _, h in finished[s]], best_live, host_max_len[s], step, k, cfg.length_penalty
+                )
             live += [Candidate(-math.inf, 0, eos_id, Progress())] * (k - len(live))  # empty slots
             rows += [s * k + c.beam for c in live]
             chosen += [c.token for c in live]
@@ -180,14 +181,3 @@ def step_candidates(total: Tensor, top: Tensor, vocab: int, progress, phrases) -
         for (beam, token), value in zip(pairs, values)
         if value > -math.inf
     ]
-
-
-def sentence_done(finished, live: list[Candidate], k: int, max_len: int, cfg: DecodeConfig) -> bool:
-    """Whether no beam is live, or k hypotheses have finished (before the length limit, only
-    those that contain every phrase can) and no live beam can beat the k-th best of them:
-    log-probabilities only fall as a hypothesis grows."""
-    if not live:
-        return True
-    scores = sorted((h.score for _, h in finished), reverse=True)
-    best_live = max(c.score for c in live) / length_penalty(max_len, cfg.length_penalty)
-    return len(scores) >= k and best_live <= scores[k - 1]

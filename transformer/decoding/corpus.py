@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..batching import TokenizedCorpus, pad, token_batches
+from ..data.batching import TokenizedCorpus, pad, token_batches
 from ..devices import autocast_dtype
 from .config import DecodeConfig
 from .constrained import constrained_beam_search

@@ -8,9 +8,10 @@ of fast/paged.py. The search of each sentence follows decoding/search.py (greedy
 decoding/beam.py (beam), step by step, with the same functions where they apply, so a sentence
 gets the translation translate.py gives it.
 
-Memory: a sentence is admitted only when the pool can promise it every block it could need (its
-encoder keys and values, and beam_size rows at its longest), so a full pool makes new sentences
-wait and never fails a running one. `Engine.step` is not thread-safe: one thread drives it
+Memory: a sentence takes blocks as it grows. It joins when the free blocks hold its encoder keys
+and values and its first tokens; when a step finds too few free blocks for every row's next token,
+the sentences that joined last give theirs back and start again later (preemption by
+recomputation), so a full pool makes sentences wait and never fails one. `Engine.step` is not thread-safe: one thread drives it
 (serve.py's, serving/continuous.py; translate.py's, stream.py).
 """
 
@@ -23,15 +24,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..batching import pad
+from ..data.batching import pad
 from ..devices import autocast_dtype
-from ..fast.paged import BlockPool, PagedDecoder
+from ..fast import paged
+from ..fast.cache import cross_dtype
+from ..fast.paged import BlockPool, PagedMemory, PagedState
 from ..model import padding_mask
-from .beam import best_extensions, length_penalty, sentence_done, stay_in_place
+from .beam import best_extensions, survivors
 from .config import DecodeConfig
-from .search import Hypothesis, argmax, max_lengths, strip_special
+from .processors import length_penalty, log_probs, max_lengths, sentence_done
+from .search import Hypothesis, argmax, strip_special
 
 JOIN_STEPS = 3  # the most steps a waiting sentence waits for others to join with it, while a batch runs
 JOIN_TOKENS = 256  # or until the waiting sentences hold this many source tokens
@@ -68,10 +71,10 @@ class Sentence:
     serial: int = 0  # the engine's number for it, unique while the engine runs
     max_len: int = 0
     cross: list[int] = field(default_factory=list)  # the blocks of its encoder keys and values
-    reserved: int = 0  # blocks the pool promised it: the most it holds at once
     rows: list[Row] = field(default_factory=list)
     finished: list[Hypothesis] = field(default_factory=list)
     step: int = 0
+    preempted: int = 0  # times it gave its blocks back to make room, and started again later
 
     @property
     def beam(self) -> bool:
@@ -86,24 +89,29 @@ class Engine:
     """The running batch, the sentences waiting to join it and the pool they share."""
 
     def __init__(self, model, tokenizer, decode: DecodeConfig, device, pool_bytes: int, block_size: int = 16):
-        reason = PagedDecoder.supports(model) or unsupported_settings(decode)
+        reason = paged.supports(model) or unsupported_settings(decode)
         if reason:
             raise ValueError(reason)
         self.model, self.tokenizer, self.device, self.settings = model, tokenizer, torch.device(device), decode
         self.amp = None if decode.precision == "int8" else autocast_dtype(decode.precision, self.device)
-        layers, kv_heads, head_size = PagedDecoder.pool_shape(model)
+        layers, kv_heads, head_size = paged.pool_shape(model)
         dtype = next(model.parameters()).dtype
         per_block = BlockPool.bytes_per_block(block_size, layers, kv_heads, head_size, dtype)
         n_blocks = max(pool_bytes // per_block, 1)
         self.pool = BlockPool(n_blocks, block_size, layers, kv_heads, head_size, dtype, self.device)
-        self.decoder = PagedDecoder(model, self.pool)
+        # The dtype cross-attention reads the encoder's keys and values in: the step's, or fp32
+        # under bf16 on a CPU with runtime.fp32_cross, as the model's own caches keep them.
+        step_dtype = self.amp or dtype
+        self.cross_dtype = cross_dtype(getattr(model, "fp32_cross", False), torch.empty(0, dtype=step_dtype, device=self.device))  # fmt: skip
+        self.memory: tuple[tuple, PagedMemory | None] = ((), None)  # the running sentences' (serials, memory)
         self.waiting: list[Sentence] = []
         self.running: list[Sentence] = []
         self.limit = model.cfg.max_positions - 1
-        self.steps = self.added = 0
+        self.steps = self.added = self.preemptions = self.most_running = 0
 
     def need(self, sentence: Sentence) -> int:
-        """Blocks a sentence may take at most: its encoder keys and values, and every row at its longest."""
+        """Blocks a sentence may hold at most at once: its encoder keys and values, and every row
+        at its longest (the pool must hold this much for the sentence to run alone)."""
         return self.pool.blocks_for(len(sentence.ids)) + sentence.width * self.pool.blocks_for(sentence.max_len)
 
     def mib(self, blocks: int) -> float:
@@ -130,8 +138,8 @@ class Engine:
         )
 
     def length_limit(self, source_tokens: int, settings: DecodeConfig) -> int:
-        """decoding/search.py's max_lengths for one source of `source_tokens` tokens (EOS included)."""
-        return int(max_lengths(torch.ones(1, 1, 1, source_tokens, dtype=torch.bool), settings, self.limit)[0])
+        """processors.max_lengths for one source of `source_tokens` tokens (EOS included)."""
+        return int(max_lengths(torch.tensor([source_tokens]), settings, self.limit)[0])
 
     def add(self, sentence: Sentence) -> None:
         """Queue a sentence; ValueError when it could not fit in the pool even alone."""
@@ -179,15 +187,20 @@ class Engine:
         return sum(len(s.ids) for s in self.waiting) >= JOIN_TOKENS
 
     def admit(self, max_new_tokens: int) -> None:
+        """The waiting sentences that fit join, in order: at most max_new_tokens source tokens, and
+        while the free blocks hold their encoder keys and values and first tokens and leave the
+        running rows room for their next token. Blocks are taken as sentences grow, not reserved
+        for their longest: when a step finds the pool dry, `make_room` preempts."""
         joining, tokens = [], 0
+        headroom = sum(len(s.rows) for s in self.running)  # each running row may take a block next step
         while self.waiting:
             sentence = self.waiting[0]
             if joining and tokens + len(sentence.ids) > max_new_tokens:
                 break
-            need = self.need(sentence)
-            if not self.pool.reserve(need):
+            takes = self.pool.blocks_for(len(sentence.ids)) + self.first_rows(sentence)
+            if takes + headroom > len(self.pool.free):
                 break  # the pool is full: wait for running sentences to end
-            sentence.reserved = need
+            headroom += takes
             joining.append(self.waiting.pop(0))
             tokens += len(sentence.ids)
         if not joining:
@@ -199,27 +212,48 @@ class Engine:
                 self.leave(sentence)
             raise AdmissionFailed(joining, e) from e
         self.running.extend(joining)
+        self.most_running = max(self.most_running, len(self.running))
+
+    def first_rows(self, sentence: Sentence) -> int:
+        """The rows a sentence starts with: as in beam.py, one expands at the first step, unless
+        the vocabulary is too small to give 2k candidates from one."""
+        return 1 if not sentence.beam or self.model.cfg.vocab_size >= 2 * sentence.width else sentence.width
+
+    def make_room(self) -> None:
+        """Before a step: when the free blocks cannot take every row's next token, the sentences
+        that joined last give their blocks back and wait at the front of the queue, to start
+        again from their source when there is room (preemption by recomputation; their
+        translations are the same). The first running sentence always fits: `add` checked it."""
+        while len(self.running) > 1:
+            takes = sum(self.pool.takes(row.table, len(row.tokens)) for s in self.running for row in s.rows)
+            if takes <= len(self.pool.free):
+                return
+            victim = max(self.running, key=lambda s: s.serial)
+            self.leave(victim)
+            self.running.remove(victim)
+            victim.finished, victim.step, victim.arrived = [], 0, self.steps - JOIN_STEPS  # rejoins at once
+            victim.preempted += 1
+            self.preemptions += 1
+            self.waiting.insert(0, victim)
 
     def encode(self, joining: list[Sentence]) -> None:
         """The joining sentences' encoder pass, their cross-attention keys and values in the pool
         and their first rows."""
+        self.memory = ((), None)  # a sentence that starts again keeps its serial but not its blocks
         src = pad([s.ids for s in joining], self.model.cfg.pad_id).to(self.device)
         memory, _ = self.model.encode(src, padding_mask(src, self.model.cfg.pad_id))
         for sentence in joining:
             for _ in range(self.pool.blocks_for(len(sentence.ids))):  # one by one: `leave` returns what was taken
                 sentence.cross.append(self.pool.allocate())
-            # As in beam.py: one row expands at the first step, unless the vocabulary is too small.
-            first = 1 if not sentence.beam or self.model.cfg.vocab_size >= 2 * sentence.width else sentence.width
-            sentence.rows = [Row([], [], 0.0 if i == 0 else -math.inf) for i in range(first)]
-        self.decoder.store_memory(memory, [len(s.ids) for s in joining], [s.cross for s in joining])
+            sentence.rows = [Row([], [], 0.0 if i == 0 else -math.inf) for i in range(self.first_rows(sentence))]
+        paged.store_memory(self.model, self.pool, memory, [len(s.ids) for s in joining], [s.cross for s in joining])
 
     def leave(self, sentence: Sentence) -> None:
-        """Return a sentence's blocks and its reservation to the pool."""
+        """Return a sentence's blocks to the pool."""
         for row in sentence.rows:
             self.pool.release(row.table)
         self.pool.release(sentence.cross)
-        self.pool.unreserve(sentence.reserved)
-        sentence.rows, sentence.cross, sentence.reserved = [], [], 0
+        sentence.rows, sentence.cross = [], []
 
     def drop_cancelled(self) -> None:
         for sentence in [s for s in self.running if s.cancelled()]:
@@ -235,27 +269,39 @@ class Engine:
     # --- The decoder step ----------------------------------------------------------------------
 
     def decode(self) -> torch.Tensor:
-        """Logits (rows, vocab) for every row of the running sentences, in order."""
+        """Logits (rows, vocab) for every row of the running sentences, in order: the model's own
+        decoder on a PagedState, each row at its own position."""
+        self.make_room()
         rows = [row for s in self.running for row in s.rows]
         positions = [len(row.tokens) for row in rows]
         write = [self.pool.writable(row.table, p)[0] for row, p in zip(rows, positions)]
-        bos = self.tokenizer.bos_id
         width = max(len(s.rows) for s in self.running)
-        fold = [i * width + j for i, s in enumerate(self.running) for j in range(len(s.rows))]
-        longest = max(positions) + 1
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return self.decoder.step(
-            tokens=as_tensor([row.tokens[-1] if row.tokens else bos for row in rows]),
+        state = PagedState(
+            self.pool,
             positions=as_tensor(positions),
             write_slots=as_tensor(write),
-            self_slots=self.pool.slots([row.table for row in rows], longest),
+            self_slots=self.pool.slots([row.table for row in rows], max(positions) + 1),
             self_lengths=as_tensor([p + 1 for p in positions]),
-            cross_slots=self.pool.slots([s.cross for s in self.running], max(len(s.ids) for s in self.running)),
-            cross_lengths=as_tensor([len(s.ids) for s in self.running]),
-            fold=as_tensor(fold),
+            memory=self.running_memory(),
+            fold=as_tensor([i * width + j for i, s in enumerate(self.running) for j in range(len(s.rows))]),
             width=width,
-            cross_key=tuple(s.serial for s in self.running),
         )
+        bos = self.tokenizer.bos_id
+        tokens = as_tensor([row.tokens[-1] if row.tokens else bos for row in rows])[:, None]
+        longest = max(len(s.ids) for s in self.running)
+        src_mask = torch.arange(longest, device=self.device) < as_tensor([len(s.ids) for s in self.running])[:, None]
+        logits, _ = self.model.decode(tokens, None, src_mask[:, None, None, :], state)
+        return logits[:, 0]
+
+    def running_memory(self) -> PagedMemory:
+        """The running sentences' encoder keys and values, read from the pool again only when the
+        sentences have changed."""
+        serials = tuple(s.serial for s in self.running)
+        if self.memory[0] != serials:
+            slots = self.pool.slots([s.cross for s in self.running], max(len(s.ids) for s in self.running))
+            self.memory = (serials, PagedMemory(self.pool, slots, self.cross_dtype))
+        return self.memory[1]
 
     # --- The search ----------------------------------------------------------------------------
 
@@ -280,31 +326,16 @@ class Engine:
             sentence.step += 1
 
     def log_probs(self, logits: torch.Tensor, sentences: list[Sentence], width: int) -> torch.Tensor:
-        """decoding/beam.py's step_log_probs (and search.py's for greedy), with each sentence at its own step."""
-        eos, pad_id = self.tokenizer.eos_id, self.model.cfg.pad_id
-        lprobs = F.log_softmax(logits.float(), dim=-1)
-        lprobs[:, pad_id] = -math.inf
-        step = torch.tensor([s.step for s in sentences for _ in range(width)], device=lprobs.device)
-        max_len = torch.tensor([s.max_len for s in sentences for _ in range(width)], device=lprobs.device)
-        min_len = torch.tensor([s.settings.min_len for s in sentences for _ in range(width)], device=lprobs.device)
-        out_of_room = step + 1 >= max_len
-        early = step < min_len
-        if sentences[0].beam:
-            lprobs[:, eos] = torch.where(early & ~out_of_room, -math.inf, lprobs[:, eos])
-            if bool(out_of_room.any()):
-                keep = torch.zeros(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
-                keep[eos] = True
-                lprobs[out_of_room] = torch.where(keep, lprobs[out_of_room], -math.inf)
-        else:
-            lprobs[:, eos] = torch.where(early, -math.inf, lprobs[:, eos])
-        return lprobs
+        """processors.log_probs, the step every search shares, with each sentence at its own step."""
+        per_row = lambda values: torch.tensor(values, device=logits.device).repeat_interleave(width)  # noqa: E731
+        step, max_len = per_row([s.step for s in sentences]), per_row([s.max_len for s in sentences])
+        min_len = per_row([s.settings.min_len for s in sentences])
+        return log_probs(logits, step, max_len, self.tokenizer.eos_id, self.model.cfg.pad_id, min_len)
 
     def greedy_step(self, sentences: list[Sentence], lprobs: torch.Tensor, width: int) -> None:
         """decoding/search.py's `generate` with `argmax`, one step."""
         eos = self.tokenizer.eos_id
-        step = torch.tensor([s.step for s in sentences], device=lprobs.device)
-        max_len = torch.tensor([s.max_len for s in sentences], device=lprobs.device)
-        token = torch.where(step + 1 >= max_len, eos, argmax(lprobs))
+        token = argmax(lprobs)  # EOS where a sentence is out of room: log_probs left it nothing else
         gained = lprobs.gather(1, token[:, None]).squeeze(1)
         for sentence, t, lp in zip(sentences, token.tolist(), gained.tolist()):
             row = sentence.rows[0]
@@ -322,10 +353,7 @@ class Engine:
         top, index = best_extensions(scores, lprobs, 2 * k)
         beam, token = index // vocab, index % vocab
         ends = (token == eos) & top.isfinite()
-        keep = torch.sort(ends.to(torch.int8), dim=1, stable=True).indices[:, :k]
-        kept, parent, next_token = top.gather(1, keep), beam.gather(1, keep), token.gather(1, keep)
-        order = stay_in_place(parent)
-        kept, parent, next_token = kept.gather(1, order), parent.gather(1, order), next_token.gather(1, order)
+        kept, parent, next_token = survivors(top, beam, token, ends, k)
         host = [t.tolist() for t in (top[:, :k], beam[:, :k], ends[:, :k], kept, parent, next_token)]
         for i, sentence in enumerate(sentences):
             s_top, s_beam, s_ends, s_kept, s_parent, s_token = (h[i] for h in host)

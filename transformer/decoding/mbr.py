@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 from sacrebleu.metrics import BLEU, CHRF
 
-UTILITIES = ("none", "chrf", "bleu")
-WEIGHTS = ("model", "uniform")
+from .config import MBR_UTILITIES as UTILITIES
+from .config import MBR_WEIGHTS as WEIGHTS
 
 
 def utility(name: str) -> Callable[[str, str], float]:

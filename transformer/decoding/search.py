@@ -1,5 +1,5 @@
-"""Search on one padded batch: what every strategy shares (the hypotheses, the length limits,
-dropping finished sentences from the batch) and `generate`, which extends each sentence by one
+"""Search on one padded batch: what every strategy shares (the hypotheses, dropping finished
+sentences from the batch) and `generate`, which extends each sentence by one
 chosen token per step: greedy search (`argmax`) and sampling (`sampler`). Beam search is beam.py."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..model import padding_mask
+from .processors import log_probs, max_lengths, source_lengths
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
@@ -24,32 +24,6 @@ class Hypothesis:
     tokens: list[int]  # without BOS and EOS
     score: float  # log-probability divided by the length penalty (the ranking score)
     log_prob: float
-
-
-def max_lengths(src_mask: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None) -> Tensor:
-    """(batch,) maximum number of generated tokens per sentence, EOS included; with a target
-    prefix (batch, prefix_len), at least the prefix and max_len_b tokens after it."""
-    src_lens = src_mask.flatten(1).sum(-1)
-    max_len = (src_lens * cfg.max_len_a + cfg.max_len_b).long()
-    if prefix is not None:
-        max_len = torch.maximum(max_len, prefix_lengths(prefix) + cfg.max_len_b)
-    return max_len.clamp(min=1, max=limit)
-
-
-def prefix_lengths(prefix: Tensor) -> Tensor:
-    """(rows,) the number of prefix tokens of each row of prefix (rows, prefix_len), padded with -1."""
-    return (prefix >= 0).sum(-1)
-
-
-def force_prefix(lprobs: Tensor, prefix: Tensor | None, step: int) -> Tensor:
-    """Log-probabilities (rows, vocab) that leave each row whose target prefix (rows, prefix_len;
-    -1 where it has ended) has a token at `step` only that token, with its log-probability: every
-    search then takes it, and its score counts it. Other rows are unchanged."""
-    if prefix is None or step >= prefix.size(1):
-        return lprobs
-    token = prefix[:, step : step + 1]  # (rows, 1)
-    forced = torch.full_like(lprobs, -math.inf).scatter(1, token.clamp(min=0), lprobs.gather(1, token.clamp(min=0)))
-    return torch.where(token >= 0, forced, lprobs)
 
 
 def select(memory, rows: Tensor):
@@ -80,7 +54,8 @@ def generate(
     sentences still being translated."""
     src_mask = padding_mask(src, model.cfg.pad_id)
     memory, _ = model.encode(src, src_mask)
-    max_len = max_lengths(src_mask, cfg, model.cfg.max_positions - 1, prefix)
+    max_len = max_lengths(source_lengths(src_mask), cfg, model.cfg.max_positions - 1, prefix)
+    shortest = int(max_len.min())  # no row is out of room before this step (a host copy)
     tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
     log_prob = torch.zeros(src.size(0), device=src.device)
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
@@ -89,13 +64,9 @@ def generate(
     state = model.new_state()
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
-        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (rows, vocab)
-        lprobs[:, model.cfg.pad_id] = -math.inf  # never generated (an imported Marian model starts from it)
-        if step < cfg.min_len:
-            lprobs[:, eos_id] = -math.inf
-        lprobs = force_prefix(lprobs, prefix, step)
-        next_token = torch.where(step + 1 >= max_len, eos_id, choose(lprobs))  # out of room: end here
-        next_token = torch.where(done, model.cfg.pad_id, next_token)
+        forcing = step + 1 >= shortest
+        lprobs = log_probs(logits[:, -1], step, max_len, eos_id, model.cfg.pad_id, cfg.min_len, prefix, forcing=forcing)
+        next_token = torch.where(done, model.cfg.pad_id, choose(lprobs))
         log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == eos_id
@@ -108,6 +79,7 @@ def generate(
                 break
             rows = (~done).nonzero().flatten()
             tokens, log_prob, max_len, sentence = tokens[rows], log_prob[rows], max_len[rows], sentence[rows]
+            shortest = int(max_len.min())
             memory, src_mask, done = select(memory, rows), src_mask[rows], done[rows]
             prefix = None if prefix is None else prefix[rows]
             state.reorder(rows)

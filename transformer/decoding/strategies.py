@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from .beam import beam_search
+from .config import STRATEGY_RANKS
 from .search import Hypothesis, argmax, generate, sampler
 
 if TYPE_CHECKING:
@@ -28,8 +29,12 @@ Search = Callable[..., list[list[Hypothesis]]]
 class Strategy:
     name: str
     search: Search
-    ranks: bool = False  # keeps beam_size hypotheses per sentence and ranks them: n_best and MBR apply
     random: bool = False  # draws tokens from decode.seed's generator rather than choosing the best
+
+    @property
+    def ranks(self) -> bool:
+        """Keeps beam_size hypotheses per sentence and ranks them: n_best and MBR apply (config.py)."""
+        return STRATEGY_RANKS[self.name]
 
     def rows_per_sentence(self, cfg: DecodeConfig) -> int:
         """Rows of the decoding batch one sentence takes while it is searched."""
@@ -38,12 +43,6 @@ class Strategy:
     def hypotheses_per_sentence(self, cfg: DecodeConfig) -> int:
         """The length of the n-best list each sentence gets."""
         return cfg.n_best if self.ranks else 1
-
-    def label(self, cfg: DecodeConfig) -> str:
-        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
-        if not self.ranks:
-            return self.name
-        return f"{self.name}{cfg.beam_size}" + (f"-mbr-{cfg.mbr}" if cfg.mbr != "none" else "")
 
 
 def search_greedy(model, src: Tensor, bos_id: int, eos_id: int, cfg: DecodeConfig, generator=None, prefix=None):
@@ -70,7 +69,9 @@ STRATEGIES: dict[str, Strategy] = {
     strategy.name: strategy
     for strategy in (
         Strategy("greedy", search_greedy),
-        Strategy("beam", search_beam, ranks=True),
+        Strategy("beam", search_beam),
         Strategy("sample", search_sample, random=True),
     )
 }
+if set(STRATEGIES) != set(STRATEGY_RANKS):  # the names the settings accept are the names registered
+    raise ImportError(f"strategies {sorted(STRATEGIES)} differ from config.STRATEGY_RANKS {sorted(STRATEGY_RANKS)}")

@@ -1,5 +1,5 @@
-"""The speed paths: each fast class replaces one reference class of the model (transformer/model.py,
-transformer/attention.py, transformer/blocks.py) with a subclass that computes the same thing
+"""The speed paths: each fast class replaces one reference class of the model (transformer/model/transformer.py,
+transformer/model/attention.py, transformer/model/blocks.py) with a subclass that computes the same thing
 faster, and is tested against it (tests/test_fast.py).
 
     linear.py     FastLinear: nn.Linear on oneDNN for CPU fp32, weights packed for inference
@@ -29,9 +29,9 @@ from collections import Counter
 
 from torch import nn
 
-from ..attention import MultiHeadAttention, Rotary
-from ..blocks import FeedForward
 from ..model import DecoderLayer, Transformer
+from ..model.attention import MultiHeadAttention, Rotary
+from ..model.blocks import FeedForward
 from ..runtime import RuntimeConfig
 from .attention import FastMultiHeadAttention
 from .dropout import FastDropout

@@ -7,10 +7,11 @@ decoder's matrix products. A GrowingCache keeps the tensor in a buffer with room
 (doubling when full): a step writes only its own slice, and a reorder gathers into a second
 buffer that is kept for the next reorder.
 
-A layer's cache is a plain dict (see MultiHeadAttention). `append` keeps the name it is given
-pointing at the current contents, a view of the buffer, so readers see an ordinary tensor.
-`whole` hands out the buffer itself, slots past the contents included: they hold zeros or
-earlier rows, never uninitialized memory, so a reader that masks them can use the buffer whole.
+FastKeyValueCache, the cache object the fast runtime's decoding states make (see
+KeyValueCache in model/attention.py), keeps a layer's keys and values in two of them. Its `k`
+and `v` are views of the buffers' contents, so readers see ordinary tensors; under bf16 it may
+hand attention the buffers whole, slots past the contents included: they hold zeros or earlier
+rows, never uninitialized memory, so attention masks them and reads the buffer in place.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-GROWING = "growing"  # the dict entry that holds the GrowingCache of each appended name
+from ..model.attention import KeyValueCache
 
 
 class GrowingCache:
@@ -70,33 +71,57 @@ class GrowingCache:
         self.buffer, self.spare = target, self.buffer
 
 
-def append(state: dict, name: str, x: Tensor, dim: int) -> Tensor:
-    """state[name] with x appended along dim; state[name] becomes the result."""
-    caches = state.setdefault(GROWING, {})
-    if name not in caches:
-        caches[name] = GrowingCache(dim)
-    state[name] = caches[name].append(x)
-    return state[name]
+class FastKeyValueCache(KeyValueCache):
+    """The reference KeyValueCache with self-attention's keys and values in GrowingCaches, and
+    the encoder's stored contiguous, once (in fp32 under bf16 on a CPU with runtime.fp32_cross,
+    where a decoding step's products are faster: `cross_dtype`).
+
+    `whole` hands out the buffers whole with a mask over the slots past the tokens so far, which
+    FastMultiHeadAttention attends to under bf16 on a CPU: torch's batched product copies an
+    operand whose batches are not packed one after the other, and a narrowed view of a longer
+    buffer is not; the whole buffer is, so the products read it in place, with the same result,
+    although they score up to twice the keys. In fp32 the product reads the view in place."""
+
+    def __init__(self, fp32_cross: bool = False):
+        super().__init__()
+        self.fp32_cross = fp32_cross
+        self.keys: GrowingCache | None = None
+        self.values: GrowingCache | None = None
+
+    def positions(self) -> int:
+        return 0 if self.keys is None else self.keys.length
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        if self.keys is None:
+            self.keys, self.values = GrowingCache(dim=2), GrowingCache(dim=2)
+        self.k, self.v = self.keys.append(k), self.values.append(v)
+        return self.k, self.v, None
+
+    def whole(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The keys' and values' whole buffers and a (1, 1, 1, capacity) mask of the filled slots;
+        the contents and None when the buffers are full."""
+        if self.keys.length == self.keys.buffer.size(2):
+            return self.k, self.v, None
+        filled = torch.arange(self.keys.buffer.size(2), device=self.k.device) < self.keys.length
+        return self.keys.buffer, self.values.buffer, filled.view(1, 1, 1, -1)
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # Contiguous, once: as views of the projections, the batched products of every later
+        # step would copy them again to fold batch and heads together.
+        # (`.to(memory_format=...)` would hand the view back unchanged when the dtype matches.)
+        dtype = cross_dtype(self.fp32_cross, k)
+        return super().store(k.to(dtype).contiguous(), v.to(dtype).contiguous())
+
+    def reorder(self, index: Tensor) -> None:
+        if self.keys is None:  # the encoder's keys and values
+            return super().reorder(index)
+        self.keys.reorder(index)
+        self.values.reorder(index)
+        self.k, self.v = self.keys.value, self.values.value
+        self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
 
 
-def whole(state: dict, name: str) -> tuple[Tensor, int] | None:
-    """The buffer behind state[name], capacity and all, and how many of its slots are filled;
-    None when state[name] is not a growing cache. The buffer is contiguous and finite throughout.
-    (See MultiHeadAttention.attend, which uses this where reading a narrowed view would copy it.)"""
-    grown = state.get(GROWING, {}).get(name)
-    if grown is None:
-        return None
-    return grown.buffer, grown.length
-
-
-def reorder(state: dict, index: Tensor) -> None:
-    """Keep the batch rows in `index` of every tensor in a layer's cache dict."""
-    caches = state.get(GROWING, {})
-    for name, value in list(state.items()):
-        if name == GROWING:
-            continue
-        if name in caches:
-            caches[name].reorder(index)
-            state[name] = caches[name].value
-        else:
-            state[name] = value.index_select(0, index)
+def cross_dtype(fp32_cross: bool, x: Tensor) -> torch.dtype:
+    """The dtype cross-attention keys and values are kept and attended in for an `x` of the step:
+    fp32 under bf16 on a CPU where runtime.fp32_cross asks for it, else x's."""
+    return torch.float32 if fp32_cross and x.dtype == torch.bfloat16 and x.is_cpu else x.dtype

@@ -4,14 +4,15 @@ its parameters, so state dicts and checkpoints are the same under every runtime.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-from ..attention import Rotary
-from ..blocks import FeedForward
 from ..model import DecoderLayer, DecoderState, Transformer
-from . import cache
-from .attention import attend_memory_folded
+from ..model.attention import Rotary
+from ..model.blocks import FeedForward
+from .cache import FastKeyValueCache
 from .encoding import encode_grouped
 from .linear import FastLinear, PackedWeight, linear, onednn_now
 from .loss import projected_cross_entropy
@@ -24,7 +25,7 @@ class FastTransformer(Transformer):
 
     def adopt(self, runtime) -> None:
         self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(), runtime.onednn, runtime.chunked_loss
-        self.onednn_inference = runtime.onednn_inference
+        self.onednn_inference, self.fp32_cross = runtime.onednn_inference, runtime.fp32_cross
 
     def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
         """The summed label-smoothed loss of the decoder output `out` (forward(project=False)),
@@ -45,21 +46,35 @@ class FastTransformer(Transformer):
         onednn = onednn_now(self.onednn, self.onednn_inference)
         return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=onednn)
 
-    def new_state(self) -> FastDecoderState:
-        return FastDecoderState()
-
-
-class FastDecoderState(DecoderState):
-    """Caches reordered in place where beams stay in their slots (fast/cache.py)."""
-
-    def reorder_cache(self, state: dict, index: Tensor) -> None:
-        cache.reorder(state, index)
+    def new_state(self) -> DecoderState:
+        """A decoding state whose caches grow in place (fast/cache.py)."""
+        return DecoderState(new_cache=functools.partial(FastKeyValueCache, self.fp32_cross))
 
 
 class FastDecoderLayer(DecoderLayer):
-    """Cross-attention with a sentence's beams folded into one query (fast/attention.py)."""
+    """Cross-attention with each sentence's rows (beam search's beams) folded into one longer
+    query: every query attends on its own, so the result is the same, and the source-side keys
+    and values are computed, cached and read once per sentence instead of once per beam."""
 
-    attend_memory = attend_memory_folded
+    def attend_memory(self, query: Tensor, memory: Tensor | None, src_mask: Tensor, cache, need_weights: bool):
+        sentences = memory.size(0) if memory is not None else cache.memory()[0].size(0)
+        rows, length = query.shape[:2]
+        if rows == sentences:
+            return super().attend_memory(query, memory, src_mask, cache, need_weights)
+        index, width = cache.folding(rows, sentences) if cache is not None else (None, rows // sentences)
+        if index is None:  # consecutive rows, `width` per sentence
+            if width * sentences != rows:
+                raise ValueError(f"{rows} target rows do not divide into {sentences} sentences")
+            grid = query.reshape(sentences, width * length, -1)
+        else:  # each row at its place in a (sentences, width) grid; the empty places are zeros
+            grid = query.new_zeros(sentences * width, length, query.size(-1)).index_copy_(0, index, query)
+            grid = grid.view(sentences, width * length, -1)
+        out, weights = self.cross_attn(grid, memory, src_mask, cache, True, need_weights)
+        if weights is not None:  # (sentences, heads, width * len, src_len) -> (rows, heads, len, src_len)
+            weights = weights.unflatten(2, (width, length)).transpose(1, 2).flatten(0, 1)
+            weights = weights if index is None else weights.index_select(0, index)
+        out = out.reshape(sentences * width, length, -1)
+        return (out if index is None else out.index_select(0, index)), weights
 
 
 class FastFeedForward(FeedForward):

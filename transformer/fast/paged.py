@@ -1,23 +1,25 @@
-"""A paged key/value cache and the decoder step that reads it: what continuous batching
-(serving/continuous.py) runs on.
+"""A paged key/value cache: what continuous batching (decoding/engine.py) decodes on.
 
 Keys and values live in fixed-size blocks of one pool allocated up front (PagedAttention, Kwon
 et al. 2023). A sequence owns a block table, the list of its blocks in order; the token at
-position p is slot p % block_size of block table[p // block_size]. Sequences of any lengths join
-and leave a batch without any cache being concatenated, padded or copied to make room, and the
-memory is bounded by the pool. Beam search forks a beam by copying its block table and counting
-one more reference on each block; a block is copied only when a beam writes into a last block it
-still shares (copy-on-write), and it returns to the pool when its last reference goes.
+position p is slot p % block_size of block table[p // block_size]. A sequence takes a block when
+it grows into one, so the pool holds as many sequences as their actual lengths allow. Sequences
+of any lengths join and leave a batch without any cache being concatenated or padded to make
+room. Beam search forks a beam by copying its block table and counting one more reference on
+each block; a block is copied only when a beam writes into a last block it still shares
+(copy-on-write), and it returns to the pool when its last reference goes.
 
 A block holds its positions for every decoder layer, so one block table serves the whole stack.
 The encoder's keys and values (cross-attention's, a function of the source alone) are stored the
 same way, once per sentence, and shared by its beams.
 
-A step gathers each sequence's blocks into one padded tensor per layer and attends with a mask
-over the slots past its length: the same attention as the reference's, on the same numbers.
-`PagedDecoder.supports` says which models it can run (the standard attention; any positions,
-norms, grouped-query heads, int8 or oneDNN linear layers). tests/test_paged.py checks it against
-the reference model's own incremental decoding.
+The model decodes on the pool through its own layers: `PagedState` is a decoding state (see
+DecoderState) whose caches are views of the pool for one step's rows, each row at its own
+position. A self-attention cache writes the step's keys and values into each row's slot and
+gathers each row's blocks into one padded tensor with a mask over the slots past its length: the
+same attention as the reference's, on the same numbers. `supports` says which models it runs
+(the standard attention; any positions, norms, grouped-query heads, int8 or oneDNN linear
+layers). tests/test_paged.py checks it against the reference model's own incremental decoding.
 """
 
 from __future__ import annotations
@@ -27,23 +29,20 @@ import math
 import torch
 from torch import Tensor
 
-from ..blocks import LearnedPositions, NoPositions, SinusoidalPositions
-from .attention import cross_dtype, fast_attention
+from ..model import DecoderState, LayerCache
+from ..model.attention import KeyValueCache
 
 
 class PoolExhausted(RuntimeError):
-    """The pool has no free block left: the caller reserved fewer blocks than it used."""
+    """The pool has no free block left: the caller took more blocks than it made sure of."""
 
 
 class BlockPool:
     """`n_blocks` blocks of `block_size` positions, each holding keys and values of every layer:
     keys and values are (layers, n_blocks * block_size, kv_heads, head_size) tensors, zeros where
-    unwritten (a gathered slot past a sequence's length is masked, and must be finite).
-
-    Blocks carry reference counts. `reserve` promises blocks to a caller ahead of use, so that a
-    sentence admitted into a batch can never run out of blocks half-way: new work waits instead.
-    A promise is the most a caller holds at once (not every block it ever takes: a beam's old
-    blocks return as it moves on)."""
+    unwritten (a gathered slot past a sequence's length is masked, and must be finite). Blocks
+    carry reference counts; the caller makes sure enough are free before it takes them
+    (decoding/engine.py: `Engine.make_room`)."""
 
     def __init__(self, n_blocks: int, block_size: int, layers: int, kv_heads: int, head_size: int, dtype, device):
         if n_blocks < 1 or block_size < 1:
@@ -54,7 +53,7 @@ class BlockPool:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
-        self.promised = 0  # blocks promised to the callers of `reserve`, in use or not
+        self.gathered_bytes = 0  # copied by `gather` so far (benchmarks/benchmark_engine.py reports it)
 
     @staticmethod
     def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_size: int, dtype) -> int:
@@ -62,17 +61,6 @@ class BlockPool:
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)
-
-    def reserve(self, n: int) -> bool:
-        """Promise n blocks to a caller that will never hold more than n at once; False (and
-        nothing promised) when the promises made so far leave fewer than n."""
-        if self.promised + n > self.n_blocks:
-            return False
-        self.promised += n
-        return True
-
-    def unreserve(self, n: int) -> None:
-        self.promised -= n
 
     def allocate(self) -> int:
         """A free block, with one reference."""
@@ -93,6 +81,11 @@ class BlockPool:
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 self.free.append(block)
+
+    def takes(self, table: list[int], length: int) -> bool:
+        """Whether writing position `length` of a sequence takes a block from the pool (`writable`)."""
+        index = length // self.block_size
+        return index == len(table) or self.refs[table[index]] > 1
 
     def writable(self, table: list[int], length: int) -> tuple[int, bool]:
         """Make room for position `length` of a sequence: a new block when the last one is full,
@@ -133,137 +126,125 @@ class BlockPool:
         heads, size = self.keys.shape[2:]
         k = self.keys[layer].view(-1, size).index_select(0, index).view(sequences, heads, -1, size)
         v = self.values[layer].view(-1, size).index_select(0, index).view(sequences, heads, -1, size)
+        self.gathered_bytes += k.nbytes + v.nbytes
         return k, v
 
 
-class PagedDecoder:
-    """One decoding step for a batch of sequences at different positions, reading and writing a
-    BlockPool, with the model's own modules (so its fast paths and int8 layers run as usual)."""
-
-    def __init__(self, model, pool: BlockPool):
-        self.model, self.pool = model, pool
-        self.cross: tuple[object, list[tuple[Tensor, Tensor]]] = (None, [])  # see cross_keys_values
-
-    @staticmethod
-    def supports(model) -> str | None:
-        """None when the model can decode paged; otherwise why not."""
-        cfg = model.cfg
-        if hasattr(model, "models"):
-            return "an ensemble decodes with its members' own caches"
-        if cfg.attention.kind != "standard":
-            return f"model.attention.kind={cfg.attention.kind} keeps its own state"
-        return None
-
-    @staticmethod
-    def pool_shape(model) -> tuple[int, int, int]:
-        """(layers, kv_heads, head_size) of a model's pool."""
-        cfg = model.cfg
-        return cfg.n_decoder_layers, cfg.kv_heads, cfg.d_model // cfg.n_heads
-
-    @torch.no_grad()
-    def store_memory(self, memory: Tensor, lengths: list[int], tables: list[list[int]]) -> None:
-        """Write each decoder layer's cross-attention keys and values of the encoder output
-        (sentences, src_len, d_model) into the sentences' blocks (tables: enough blocks each)."""
-        slots = torch.cat([self.pool.slots([t], n)[0] for t, n in zip(tables, lengths)])
-        rows = torch.cat([torch.arange(n) + i * memory.size(1) for i, n in enumerate(lengths)]).to(memory.device)
-        for i, layer in enumerate(self.model.decoder_layers):
-            attn = layer.cross_attn
-            k = attn.w_k(memory).flatten(0, 1).index_select(0, rows).unflatten(-1, (attn.n_kv_heads, attn.d_head))
-            v = attn.w_v(memory).flatten(0, 1).index_select(0, rows).unflatten(-1, (attn.n_kv_heads, attn.d_head))
-            self.pool.keys[i].index_copy_(0, slots, k.to(self.pool.keys.dtype))
-            self.pool.values[i].index_copy_(0, slots, v.to(self.pool.values.dtype))
-
-    @torch.no_grad()
-    def step(
-        self,
-        tokens: Tensor,
-        positions: Tensor,
-        write_slots: Tensor,
-        self_slots: Tensor,
-        self_lengths: Tensor,
-        cross_slots: Tensor,
-        cross_lengths: Tensor,
-        fold: Tensor,
-        width: int,
-        cross_key: object = None,
-    ) -> Tensor:
-        """Logits (rows, vocab) of the next token of each row.
-
-        tokens, positions, write_slots: (rows,) each row's last token, its position and the slot
-        its keys and values go to. self_slots (rows, L) and self_lengths (rows,): the slots each
-        row attends to, this token's included. cross_slots (sentences, S) and cross_lengths: each
-        sentence's encoder keys and values. fold: (rows,) where each row's query sits in the
-        (sentences * width) grid of cross-attention queries: a sentence's beams attend together
-        to its one copy of the memory. cross_key: see cross_keys_values."""
-        model, pool = self.model, self.pool
-        sentences = cross_slots.size(0)
-        x = model.embed(tokens[:, None])
-        x = add_positions(model.positions, x, positions)
-        self_mask = (torch.arange(self_slots.size(1), device=x.device) < self_lengths[:, None])[:, None, None, :]
-        cross_mask = (torch.arange(cross_slots.size(1), device=x.device) < cross_lengths[:, None])[:, None, None, :]
-        self_index = pool.head_major(self_slots)
-        turn = None  # the rotary angles of this step
-        cross = self.cross_keys_values(cross_slots, cross_key)
-        for i, layer in enumerate(model.decoder_layers):
-            attn = layer.self_attn
-            h = layer.self_attn_norm.before(x)
-            q = attn.split_heads(attn.w_q(h), attn.n_heads)  # (rows, heads, 1, head_size)
-            k = attn.split_heads(attn.w_k(h), attn.n_kv_heads)
-            v = attn.split_heads(attn.w_v(h), attn.n_kv_heads)
-            if attn.rotary is not None:  # one rotary for all layers: its angles once per step
-                turn = angles(attn.rotary, positions, q.dtype) if turn is None else turn
-                q, k = attn.rotary.turn(q, *turn), attn.rotary.turn(k, *turn)
-            pool.keys[i].index_copy_(0, write_slots, k[:, :, 0].to(pool.keys.dtype))
-            pool.values[i].index_copy_(0, write_slots, v[:, :, 0].to(pool.values.dtype))
-            keys, values = pool.gather(i, self_index, tokens.size(0))
-            out = self.attend(q, keys, values, self_mask)
-            x = layer.self_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))
-
-            attn = layer.cross_attn
-            h = layer.cross_attn_norm.before(x)
-            q = attn.split_heads(attn.w_q(h), attn.n_heads)[:, :, 0]  # (rows, heads, head_size)
-            grid = q.new_zeros(sentences * width, *q.shape[1:]).index_copy_(0, fold, q)
-            grid = grid.view(sentences, width, *q.shape[1:]).transpose(1, 2)  # (sentences, heads, width, head_size)
-            out = self.attend(grid, *cross[i], cross_mask, cross_dtype(attn, grid))
-            out = out.transpose(1, 2).flatten(0, 1).index_select(0, fold)[:, :, None]  # (rows, heads, 1, head_size)
-            x = layer.cross_attn_norm.after(x, attn.w_o(attn.combine_heads(out, h)))
-            x = layer.ffn_norm.after(x, layer.ffn(layer.ffn_norm.before(x)))
-        return model.project(model.decoder_norm(x))[:, 0]
-
-    def cross_keys_values(self, cross_slots: Tensor, key: object) -> list[tuple[Tensor, Tensor]]:
-        """Every layer's encoder keys and values of the sentences at `cross_slots`, gathered. The
-        encoder's keys and values of a sentence never change, so while the same sentences run in
-        the same order (the caller's `key`, not None, names them) the last gather is used again."""
-        if key is None or self.cross[0] != key:
-            index, sentences = self.pool.head_major(cross_slots), cross_slots.size(0)
-            gathered = [self.pool.gather(i, index, sentences) for i in range(len(self.model.decoder_layers))]
-            self.cross = (key, gathered)
-        return self.cross[1]
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-        """Attention of q on keys and values read from the pool, in q's dtype, or in `dtype` (the
-        cross-attention's `cross_dtype`, as FastMultiHeadAttention attends from its cache)."""
-        if dtype is not None and dtype != q.dtype:
-            with torch.autocast(q.device.type, enabled=False):
-                return fast_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.0).to(q.dtype)
-        if k.dtype != q.dtype:
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        return fast_attention(q, k, v, mask, 0.0)
+def supports(model) -> str | None:
+    """None when the model can decode on a paged cache; otherwise why not."""
+    if hasattr(model, "models"):
+        return "an ensemble decodes with its members' own caches"
+    if model.cfg.attention.kind != "standard":
+        return f"model.attention.kind={model.cfg.attention.kind} keeps its own state"
+    return None
 
 
-def add_positions(positions, x: Tensor, at: Tensor) -> Tensor:
-    """x (rows, 1, d_model) plus each row's position encoding at its own position `at` (rows,)."""
-    if isinstance(positions, SinusoidalPositions):
-        return x + positions.table.index_select(0, at)[:, None].to(x.dtype)
-    if isinstance(positions, LearnedPositions):
-        return x + positions.embed.weight.index_select(0, at)[:, None]
-    if isinstance(positions, NoPositions):
-        return x
-    raise TypeError(f"no paged positions for {type(positions).__name__}")
+def pool_shape(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_size) of a model's pool."""
+    cfg = model.cfg
+    return cfg.n_decoder_layers, cfg.kv_heads, cfg.d_model // cfg.n_heads
 
 
-def angles(rotary, at: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The cosines and sines of the rotary angles of each row's position `at` (rows,), shaped for
-    `rotary.turn` on (rows, heads, 1, head_size)."""
-    cos = rotary.cos.index_select(0, at)[:, None, None].to(dtype)  # (rows, 1, 1, head_size / 2)
-    return cos, rotary.sin.index_select(0, at)[:, None, None].to(dtype)
+@torch.no_grad()
+def store_memory(model, pool: BlockPool, memory: Tensor, lengths: list[int], tables: list[list[int]]) -> None:
+    """Write each decoder layer's cross-attention keys and values of the encoder output
+    (sentences, src_len, d_model), as the layer's own attention makes them, into the sentences'
+    blocks (tables: enough blocks each for its `lengths` tokens)."""
+    slots = torch.cat([pool.slots([t], n)[0] for t, n in zip(tables, lengths)])
+    for i, layer in enumerate(model.decoder_layers):
+        attn = layer.cross_attn
+        k, v, _ = attn.keys_values(
+            attn.w_k(memory), attn.w_v(memory), None, True
+        )  # (sentences, kv_heads, src_len, head_size)
+        for pooled, x in ((pool.keys[i], k), (pool.values[i], v)):
+            x = torch.cat([x[s, :, :n] for s, n in enumerate(lengths)], dim=1).transpose(
+                0, 1
+            )  # (slots, kv_heads, head_size)
+            pooled.index_copy_(0, slots, x.to(pooled.dtype))
+
+
+class PagedMemory:
+    """The encoder's keys and values of the sentences of a running batch, read from the pool once
+    for every layer and kept while the same sentences run in the same order (they never change)."""
+
+    def __init__(self, pool: BlockPool, slots: Tensor, dtype: torch.dtype):
+        index, sentences = pool.head_major(slots), slots.size(0)
+        layers = pool.keys.size(0)
+        self.layers = [tuple(t.to(dtype) for t in pool.gather(i, index, sentences)) for i in range(layers)]
+
+
+class PagedMemoryCache(KeyValueCache):
+    """Cross-attention's cache for one layer on a paged batch: the sentences' keys and values,
+    and where each decoder row sits among its sentence's rows (`fold`, `width`)."""
+
+    def __init__(self, memory: tuple[Tensor, Tensor], fold: Tensor, width: int):
+        super().__init__()
+        self.k, self.v = memory
+        self.fold, self.width = fold, width
+
+    def sentence_rows(self, rows: int, sentences: int) -> Tensor:
+        return torch.div(self.fold, self.width, rounding_mode="floor")
+
+    def folding(self, rows: int, sentences: int) -> tuple[Tensor, int]:
+        return self.fold, self.width
+
+    def store(self, k: Tensor, v: Tensor):
+        raise RuntimeError("a paged batch's encoder keys and values are in the pool already (store_memory)")
+
+
+class PagedKeyValueCache(KeyValueCache):
+    """Self-attention's cache for one layer on a paged batch: `append` writes each row's new keys
+    and values into its slot of the pool and returns every row's history, gathered from its
+    blocks into one padded tensor, with a mask over the slots past the row's length."""
+
+    def __init__(self, state: PagedState, layer: int):
+        super().__init__()
+        self.state, self.layer = state, layer
+
+    def positions(self) -> Tensor:
+        return self.state.rows_positions
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        state, pool = self.state, self.state.pool
+        if k.size(2) != 1:
+            raise ValueError(f"a paged step decodes one token per row, got {k.size(2)}")
+        pool.keys[self.layer].index_copy_(0, state.write_slots, k[:, :, 0].to(pool.keys.dtype))
+        pool.values[self.layer].index_copy_(0, state.write_slots, v[:, :, 0].to(pool.values.dtype))
+        keys, values = pool.gather(self.layer, state.self_index, k.size(0))
+        return keys.to(k.dtype), values.to(v.dtype), state.self_mask
+
+    def reorder(self, index: Tensor) -> None:
+        raise RuntimeError("a paged batch's rows move by their block tables (decoding/engine.py)")
+
+
+class PagedState(DecoderState):
+    """A decoding state for one step of a paged batch (see DecoderState): rows at their own
+    positions, whose layers' caches read and write the pool.
+
+    positions, write_slots: (rows,) each row's position and the slot its keys and values go to;
+    self_slots (rows, L) and self_lengths (rows,): the slots each row attends to, this token's
+    included; memory: the running sentences' encoder keys and values; fold: (rows,) where each
+    row sits in the (sentences * width) grid of cross-attention queries."""
+
+    def __init__(self, pool: BlockPool, positions: Tensor, write_slots: Tensor, self_slots: Tensor, self_lengths: Tensor, memory: PagedMemory, fold: Tensor, width: int):  # fmt: skip
+        super().__init__()
+        self.pool, self.rows_positions, self.write_slots = pool, positions, write_slots
+        self.self_index = pool.head_major(self_slots)
+        self.self_mask = (torch.arange(self_slots.size(1), device=positions.device) < self_lengths[:, None])[
+            :, None, None, :
+        ]
+        self.memory, self.fold, self.width = memory, fold, width
+
+    def start(self, n_layers: int) -> None:
+        self.layers = [
+            LayerCache(PagedKeyValueCache(self, i), PagedMemoryCache(self.memory.layers[i], self.fold, self.width))
+            for i in range(n_layers)
+        ]
+
+    def positions(self) -> Tensor:
+        return self.rows_positions
+
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
+        raise RuntimeError("a paged batch's rows move by their block tables (decoding/engine.py)")
+
+    reorder_targets = reorder

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from ..data.tokenizer import Tokenizer
 from ..errors import ConfigError
 from ..model import ModelConfig, Transformer
-from ..tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ..decoding import DecodeConfig
@@ -280,7 +280,7 @@ def search_options(cfg: DecodeConfig, pad_piece: str) -> dict:
 
 
 def length_limits(sources: list[list[int]], cfg: DecodeConfig, max_positions: int) -> list[int]:
-    """Each token-id source's limit on output tokens, EOS included, as decoding.search.max_lengths
+    """Each token-id source's limit on output tokens, EOS included, as decoding.processors.max_lengths
     computes it (n counts the source's EOS), at least 2 for CTranslate2."""
     lengths = torch.tensor([len(s) + 1 for s in sources])
     return (lengths * cfg.max_len_a + cfg.max_len_b).long().clamp(min=2, max=max_positions - 1).tolist()

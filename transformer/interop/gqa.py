@@ -19,8 +19,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..attention import MultiHeadAttention
 from ..model import Transformer, padding_mask
+from ..model.attention import MultiHeadAttention
 
 
 def head_rows(linear: torch.nn.Linear, n_heads: int) -> tuple[Tensor, Tensor | None]:

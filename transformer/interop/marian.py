@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from ..checkpoint import code_it_would_run
+from ..data.tokenizer import Tokenizer, Vocabulary
 from ..errors import DataError
 from ..model import ModelConfig, Transformer
-from ..tokenizer import Tokenizer, Vocabulary
 
 ACTIVATIONS = {"swish": "silu", "silu": "silu", "relu": "relu", "gelu": "gelu"}  # Hugging Face's name -> ours
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from ..decoding.engine import Engine, unsupported_settings
 from ..errors import ConfigError
-from ..fast.paged import PagedDecoder
+from ..fast import paged
 from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
 from .config import ServeLimits
@@ -167,8 +167,9 @@ class Service:
             "limits": asdict(self.limits),
         }
         if isinstance(self.batcher, ContinuousBatcher):
-            pool = self.batcher.engine.pool
-            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "promised": pool.promised}  # fmt: skip
+            engine = self.batcher.engine
+            pool = engine.pool
+            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "preemptions": engine.preemptions}  # fmt: skip
         if self.model_error:
             body["error"] = self.model_error
         return JSONResponse(body, 200 if self.model_loaded else 503)
@@ -186,7 +187,7 @@ def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> 
     continuous batching cannot run this model or these settings: its name, the batcher, and why
     continuous batching was not used when it was asked for (None otherwise)."""
     if limits.scheduler == "continuous":
-        reason = PagedDecoder.supports(translator.model) or unsupported_settings(translator.decode)
+        reason = paged.supports(translator.model) or unsupported_settings(translator.decode)
         if reason is None:
             engine = Engine(translator.model, translator.tokenizer, translator.decode, translator.device, int(limits.pool_mib * 2**20), limits.block_size)  # fmt: skip
             pool = engine.pool

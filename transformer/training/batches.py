@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batching import SubwordSampler, TokenizedCorpus, collate, token_batches
+from ..data.batching import SubwordSampler, TokenizedCorpus, collate, token_batches
 from ..errors import DataError
 from .distributed import World
 

@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from .. import checkpoint
-from ..batching import TokenizedCorpus, filter_long, tokenize, tokenize_mapped
 from ..data import clean_training_pairs, corpus_file, load_split, primary_rows, training_text
+from ..data.batching import TokenizedCorpus, filter_long, tokenize, tokenize_mapped
+from ..data.sampling import language_text, resample
+from ..data.tokenizer import Tokenizer, tag_piece
 from ..devices import autocast_dtype, pick_device
 from ..errors import USER_ERRORS, CheckpointError, DataError
 from ..fast import accelerate
 from ..files import write_texts
 from ..model import Transformer, count_parameters
-from ..sampling import language_text, resample
-from ..tokenizer import Tokenizer, tag_piece
 from ..translator import Translator
 from . import distributed, finetune
 from .checkpoints import to_plain

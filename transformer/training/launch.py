@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..data.tokenizer import Tokenizer
 from ..devices import pick_device, require_cpp_compiler
 from ..errors import ConfigError
-from ..tokenizer import Tokenizer
 from . import distributed, finetune
 from .experiment import run_one
 from .members import run_members

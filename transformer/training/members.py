@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..batching import tokenize
 from ..data import clean_training_pairs, load_split, write_lines
+from ..data.batching import tokenize
+from ..data.tokenizer import Tokenizer
 from ..errors import ConfigError, TrainingStopped, exit_on_user_error
 from ..files import write_texts
-from ..tokenizer import Tokenizer
 from ..translator import Translator
 from .experiment import run_one, train_tokenizer
 from .resume import GracefulStop

@@ -7,10 +7,10 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from ..batching import TokenizedCorpus, tokenize
 from ..data import has_corpus_file, load_split, write_lines
+from ..data.batching import TokenizedCorpus, tokenize
+from ..data.tokenizer import Tokenizer
 from ..evaluation import score
-from ..tokenizer import Tokenizer
 from ..translator import Translator
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..batching import Batch, TokenizedCorpus
+from ..data.batching import Batch, TokenizedCorpus
 from ..devices import autocast_dtype
 from ..errors import TrainingStopped
 from ..model import Transformer

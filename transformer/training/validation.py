@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batching import TokenizedCorpus, collate, token_batches
+from ..data.batching import TokenizedCorpus, collate, token_batches
 from ..decoding import DecodeConfig
 from ..evaluation import score
 from ..monitoring import progress_bar

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention, Rotary, expand_kv_heads
+from .attention import KeyValueCache, MultiHeadAttention, Rotary, expand_kv_heads
 
 
 @dataclass
@@ -249,22 +249,23 @@ class DCMHAttention(MultiHeadAttention):
         self.query_weights = DynamicWeights(d_model, self.pre)
         self.key_weights = DynamicWeights(d_model, self.pre)
 
-    def key_dynamic(self, source: Tensor, state: dict | None, static_kv: bool) -> Tensor:
-        """The keys' dynamic weights (batch, k_len, 2 * n_dynamic), cached like the keys."""
-        if state is not None and static_kv and "key_w" in state:
-            return state["key_w"]
+    def key_dynamic(self, source: Tensor, cache: KeyValueCache | None, static_kv: bool) -> Tensor:
+        """The keys' dynamic weights (batch, k_len, 2 * n_dynamic), cached like the keys (in the
+        cache's `extra`)."""
+        cached = None if cache is None else cache.extra.get("key_w")
+        if static_kv and cached is not None:
+            return cached
         key_w = torch.cat(self.key_weights(source), dim=-1)
-        if state is not None and static_kv:
-            state["key_w"] = key_w
-        elif state is not None:
-            key_w = torch.cat([state["key_w"], key_w], dim=1) if "key_w" in state else key_w
-            state["key_w"] = key_w
+        if cached is not None:
+            key_w = torch.cat([cached, key_w], dim=1)
+        if cache is not None:
+            cache.extra["key_w"] = key_w
         return key_w
 
-    def attend(self, q, k, v, mask, need_weights, query, source, state, static_kv):
+    def attend(self, q, k, v, mask, need_weights, query, source, cache, static_kv):
         k, v = expand_kv_heads(q, k, v)
         q_pre, q_post = self.query_weights(query)
-        key_w = self.key_dynamic(source, state, static_kv)
+        key_w = self.key_dynamic(source, cache, static_kv)
         if key_w.size(0) != q.size(0):  # beam search, as in MultiHeadAttention.forward
             key_w = key_w.repeat_interleave(q.size(0) // key_w.size(0), dim=0)
         k_pre, k_post = key_w.split(self.pre.n_dynamic, dim=-1)

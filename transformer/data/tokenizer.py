@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from .data import DataError
+from .corpus import DataError
 
 # Fixed ids so a model and its tokenizer always agree on the special tokens (a Vocabulary names its own).
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3

@@ -13,6 +13,14 @@ from torch import Tensor, nn
 # --- Embeddings and positions -------------------------------------------------------------------
 
 
+def rows_at(table: Tensor, offset: int | Tensor, length: int) -> Tensor:
+    """The rows of a per-position table for `length` tokens from `offset`: (length, features) for
+    one int offset, or (batch, length, features) for a (batch,) tensor of each row's own offset."""
+    if isinstance(offset, int):
+        return table[offset : offset + length]
+    return table[offset[:, None] + torch.arange(length, device=offset.device)]
+
+
 class TokenEmbedding(nn.Module):
     """Token ids -> vectors scaled by sqrt(d_model), so they are not drowned by the positions."""
 
@@ -57,14 +65,15 @@ class SinusoidalPositions(nn.Module):
             table = torch.stack([sines, cosines], dim=2).flatten(1)  # sin, cos, sin, cos, ...
         self.register_buffer("table", table.float(), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        return x + self.table[offset : offset + x.size(1)].to(x.dtype)
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x (batch, len, d_model) at positions offset, offset + 1, ...; offset: one int, or (batch,)."""
+        return x + rows_at(self.table, offset, x.size(1)).to(x.dtype)
 
 
 class NoPositions(nn.Module):
     """With rotary positions, order enters inside self-attention; nothing is added here."""
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         return x
 
 
@@ -76,8 +85,8 @@ class LearnedPositions(nn.Module):
         self.embed = nn.Embedding(max_positions, d_model)
         nn.init.normal_(self.embed.weight, std=d_model**-0.5)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        return x + self.embed.weight[offset : offset + x.size(1)]
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        return x + rows_at(self.embed.weight, offset, x.size(1))
 
 
 # --- Feed-forward network and Add & Norm ----------------------------------------------------------

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .blocks import rows_at
+
 
 def expand_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Grouped-query: repeat each key/value head for the group of query heads it serves."""
@@ -57,11 +59,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x: (batch, heads, len, d_head), the tokens at positions offset, offset + 1, ..."""
-        cos = self.cos[offset : offset + x.size(2)].to(x.dtype)
-        sin = self.sin[offset : offset + x.size(2)].to(x.dtype)
-        return self.turn(x, cos, sin)
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x: (batch, heads, len, d_head), the tokens at positions offset, offset + 1, ...; offset
+        is one int for every row, or a (batch,) tensor, each row's own (a paged cache's rows)."""
+        cos, sin = rows_at(self.cos, offset, x.size(2)), rows_at(self.sin, offset, x.size(2))
+        if cos.dim() == 3:  # (batch, len, d_head / 2): one angle per row, the same for every head
+            cos, sin = cos[:, None], sin[:, None]
+        return self.turn(x, cos.to(x.dtype), sin.to(x.dtype))
 
     def turn(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Each feature pair of x turned by the angles whose cosines and sines are cos and sin
@@ -70,12 +74,70 @@ class Rotary(nn.Module):
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
 
 
+def consecutive_rows(rows: int, sentences: int, device) -> Tensor:
+    """(rows,) the sentence of each decoder row when each sentence's rows are consecutive and as
+    many for each (beam search's k beams): 0, 0, ..., 1, 1, ..."""
+    return torch.arange(sentences, device=device).repeat_interleave(rows // sentences)
+
+
+class KeyValueCache:
+    """What one attention layer keeps between decoding steps, batch first: the keys and values
+    (batch, kv_heads, length, head_size) of the tokens so far (self-attention, `append`) or of
+    the encoder output (cross-attention, `store`), and a variant's own tensors (`extra`).
+
+    This is the reference: it joins each step's keys and values to the earlier ones with
+    torch.cat. The caches of transformer/fast/ keep the same contents in buffers that grow in
+    place, or in the blocks of a shared pool (paged); attention sees only these methods."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.extra: dict[str, Tensor] = {}  # e.g. DCMHA's key weights, (batch, length, features)
+
+    def positions(self) -> int | Tensor:
+        """The position of the next token: one for every row, or a (batch,) tensor of each row's."""
+        return 0 if self.k is None else self.k.size(2)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """This step's keys and values after the earlier ones. Returns the keys and values to
+        attend to, and None, or a mask (True: attend) over their slots where some are not tokens."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v, None
+
+    def memory(self) -> tuple[Tensor, Tensor] | None:
+        """The stored keys and values of the encoder output, one row per sentence; None before `store`."""
+        return None if self.k is None else (self.k, self.v)
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep the encoder output's keys and values for the later steps; returns them as kept."""
+        self.k, self.v = k, v
+        return k, v
+
+    def sentence_rows(self, rows: int, sentences: int) -> Tensor:
+        """(rows,) the sentence (row of `memory`) each of `rows` decoder rows reads."""
+        return consecutive_rows(rows, sentences, self.k.device)
+
+    def folding(self, rows: int, sentences: int) -> tuple[Tensor | None, int]:
+        """The same, as a grid of `sentences` x width places for a fast path that folds each
+        sentence's rows into one query: (None, width) when the rows are consecutive, `width` per
+        sentence, or ((rows,) each row's place in the grid, width)."""
+        return None, rows // sentences
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep the batch rows in `index`, in that order."""
+        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
+
+
 class MultiHeadAttention(nn.Module):
     """Project with W_q, W_k, W_v, split into heads, attend per head, merge, project with W_o.
 
     With n_kv_heads < n_heads, keys and values have fewer heads than queries (GQA; MQA at 1).
-    `state`, a dict owned by the caller, makes decoding incremental: self-attention appends this
-    step's keys/values to it, cross-attention (static_kv=True) computes them once and reuses them.
+    `cache`, a KeyValueCache owned by the caller, makes decoding incremental: self-attention
+    appends this step's keys/values to it, cross-attention (static_kv=True) computes them once
+    and reuses them.
 
     The forward pass is four steps that the variants in attention_variants.py override one at a
     time: `split_heads` (how features become heads), `attend` (scores -> weights -> values),
@@ -103,7 +165,6 @@ class MultiHeadAttention(nn.Module):
         self.w_v = nn.Linear(d_model, n_kv_heads * self.d_head, bias=bias)
         self.w_o = nn.Linear(n_heads * self.head_size, d_model, bias=bias)
         self.head_mask: Tensor | None = None  # (n_heads,) scales each head's output; see Transformer.set_head_mask
-        self.kernel = fused_attention  # how `attend` computes attention when no weights are asked for
         for linear in (self.w_q, self.w_k, self.w_v, self.w_o):
             nn.init.xavier_uniform_(linear.weight)
             if bias:
@@ -113,27 +174,28 @@ class MultiHeadAttention(nn.Module):
         """(batch, len, n_heads * d_head) -> (batch, n_heads, len, d_head)"""
         return x.unflatten(-1, (n_heads, self.d_head)).transpose(1, 2)
 
-    def project(self, query: Tensor, source: Tensor, state: dict | None, static_kv: bool) -> tuple[Tensor, ...]:
+    def project(self, query: Tensor, source: Tensor, cache: KeyValueCache | None, static_kv: bool) -> tuple[Tensor, ...]:  # fmt: skip
         """The projections query W_q, source W_k, source W_v, as (batch, len, features) tensors;
-        keys and values are None when the state already holds them (cross-attention, later steps)."""
-        if state is not None and static_kv and "k" in state:
+        keys and values are None when the cache already holds them (cross-attention, later steps)."""
+        if cache is not None and static_kv and cache.memory() is not None:
             return self.w_q(query), None, None
         return self.w_q(query), self.w_k(source), self.w_v(source)
 
     def keys_values(
-        self, k: Tensor | None, v: Tensor | None, state: dict | None, static_kv: bool, offset: int = 0
-    ) -> tuple[Tensor, Tensor]:
-        """Projected keys and values -> (batch, kv_heads, k_len, head_size), with the cache applied."""
+        self, k: Tensor | None, v: Tensor | None, cache: KeyValueCache | None, static_kv: bool, offset: int | Tensor = 0
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Projected keys and values -> (batch, kv_heads, k_len, head_size), with the cache applied,
+        and the cache's mask over them (None: every slot is a token)."""
         if k is None:
-            return state["k"], state["v"]
+            return *cache.memory(), None
         k, v = self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
         if self.rotary is not None:
             k = self.rotary(k, offset)  # the cache holds rotated keys, so each is rotated once
-        if state is not None and not static_kv and "k" in state:  # this step's join the earlier ones
-            k, v = torch.cat([state["k"], k], dim=2), torch.cat([state["v"], v], dim=2)
-        if state is not None:
-            state["k"], state["v"] = k, v
-        return k, v
+        if cache is None:
+            return k, v, None
+        if static_kv:
+            return *cache.store(k, v), None
+        return cache.append(k, v)
 
     def attend(
         self,
@@ -144,15 +206,15 @@ class MultiHeadAttention(nn.Module):
         need_weights: bool,
         query: Tensor,
         source: Tensor,
-        state: dict | None,
+        cache: KeyValueCache | None,
         static_kv: bool,
     ) -> tuple[Tensor, Tensor | None]:
         """Per-head attention: (batch, heads, q_len, head_size) outputs and, if asked, the weights.
-        query and source (the layer inputs) and the state are there for variants that need them."""
+        query and source (the layer inputs) and the cache are there for variants that need them."""
         dropout_p = self.dropout if self.training else 0.0
         if need_weights:
             return scaled_dot_product_attention(q, k, v, mask, dropout_p)
-        return self.kernel(q, k, v, mask, dropout_p), None
+        return fused_attention(q, k, v, mask, dropout_p), None
 
     def combine_heads(self, out: Tensor, query: Tensor) -> Tensor:
         """Weight each head's output (1 for all in standard attention; see head_mask), then merge:
@@ -164,20 +226,24 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self,
         query: Tensor,
-        source: Tensor,
+        source: Tensor | None,
         mask: Tensor | None,
-        state: dict | None = None,
+        cache: KeyValueCache | None = None,
         static_kv: bool = False,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """query: (batch, q_len, d_model); source: (batch, k_len, d_model), the keys' and values' input."""
-        offset = state["k"].size(2) if state is not None and not static_kv and "k" in state else 0
-        q, k, v = self.project(query, source, state, static_kv)
+        """query: (batch, q_len, d_model); source: (batch, k_len, d_model), the keys' and values'
+        input (None when the cache holds the encoder's already)."""
+        offset = cache.positions() if cache is not None and not static_kv else 0
+        q, k, v = self.project(query, source, cache, static_kv)
         q = self.split_heads(q, self.n_heads)  # (batch, heads, q_len, head_size)
         if self.rotary is not None:
             q = self.rotary(q, offset)
-        k, v = self.keys_values(k, v, state, static_kv, offset)  # (batch, kv_heads, k_len, head_size)
-        if k.size(0) != q.size(0):  # beam search: a sentence's beams all attend to its one row of memory
-            k, v, mask = (t.repeat_interleave(q.size(0) // k.size(0), dim=0) for t in (k, v, mask))
-        out, weights = self.attend(q, k, v, mask, need_weights, query, source, state, static_kv)
+        k, v, slots = self.keys_values(k, v, cache, static_kv, offset)  # (batch, kv_heads, k_len, head_size)
+        if slots is not None:  # the cache's slots that hold no token of a row
+            mask = slots if mask is None else mask & slots
+        if k.size(0) != q.size(0):  # each sentence's rows (beam search's beams) read its one row of memory
+            rows = consecutive_rows(q.size(0), k.size(0), q.device) if cache is None else cache.sentence_rows(q.size(0), k.size(0))  # fmt: skip
+            k, v, mask = (None if t is None else t.index_select(0, rows) for t in (k, v, mask))
+        out, weights = self.attend(q, k, v, mask, need_weights, query, source, cache, static_kv)
         return self.w_o(self.combine_heads(out, query)), weights

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .errors import DataError
-from .files import atomic_write_text
+from ..errors import DataError
+from ..files import atomic_write_text
 
 if TYPE_CHECKING:
     import datasets

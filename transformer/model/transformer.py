@@ -15,6 +15,7 @@ may attend to this key". Masks broadcast against attention scores of shape
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import MultiHeadAttention, Rotary
+from .attention import KeyValueCache, MultiHeadAttention, Rotary
 from .attention_variants import AttentionConfig, build_attention
 from .blocks import (
     AddNorm,
@@ -176,38 +177,59 @@ class DecoderLayer(nn.Module):
         memory: Tensor,
         src_mask: Tensor,
         tgt_mask: Tensor | None,
-        state: dict | None = None,
+        cache: LayerCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, dict]:
-        self_state = cross_state = None
-        if state is not None:
-            self_state, cross_state = state.setdefault("self", {}), state.setdefault("cross", {})
+        """x: (rows, tgt_len, d_model) -> the same shape, and the attention weights if asked.
+        With a cache, x holds only the new tokens and memory may be None once the cache holds
+        the encoder's keys and values."""
+        self_cache, cross_cache = (None, None) if cache is None else (cache.self, cache.cross)
         h = self.self_attn_norm.before(x)
-        h, self_weights = self.self_attn(h, h, tgt_mask, self_state, need_weights=need_weights)
+        h, self_weights = self.self_attn(h, h, tgt_mask, self_cache, need_weights=need_weights)
         x = self.self_attn_norm.after(x, h)
         h = self.cross_attn_norm.before(x)
-        h, cross_weights = self.attend_memory(h, memory, src_mask, cross_state, need_weights)
+        h, cross_weights = self.attend_memory(h, memory, src_mask, cross_cache, need_weights)
         x = self.cross_attn_norm.after(x, h)
         x = self.ffn_norm.after(x, self.ffn(self.ffn_norm.before(x)))
         return x, {"self": self_weights, "cross": cross_weights}
 
-    def attend_memory(self, query: Tensor, memory: Tensor, src_mask: Tensor, state: dict | None, need_weights: bool):
+    def attend_memory(self, query: Tensor, memory: Tensor | None, src_mask: Tensor, cache: KeyValueCache | None, need_weights: bool):  # fmt: skip
         """Cross-attention from the decoder's queries (rows, len, d_model) to the encoder output
         (sentences, src_len, d_model): one row per sentence, or in beam search k per sentence."""
-        return self.cross_attn(query, memory, src_mask, state, static_kv=True, need_weights=need_weights)
+        return self.cross_attn(query, memory, src_mask, cache, static_kv=True, need_weights=need_weights)
 
 
 # --- Stacks and the model -----------------------------------------------------------------------
 
 
 @dataclass
-class DecoderState:
-    """What incremental decoding keeps between steps: one dict per decoder layer holding the
-    self-attention keys/values of the tokens so far ("self") and the cross-attention keys/values
-    of memory ("cross"), each a dict of tensors with the batch first (see MultiHeadAttention)."""
+class LayerCache:
+    """One decoder layer's caches: its self-attention's and its cross-attention's."""
 
-    layers: list[dict] = field(default_factory=list)
+    self: KeyValueCache
+    cross: KeyValueCache
+
+
+@dataclass
+class DecoderState:
+    """What incremental decoding keeps between steps: one LayerCache per decoder layer, made by
+    `new_cache` (the reference KeyValueCache; transformer/fast/ gives caches that grow in place
+    or live in a paged pool), and the number of target tokens decoded so far."""
+
+    layers: list[LayerCache] = field(default_factory=list)
     length: int = 0  # target tokens already decoded; the next token's position
+    new_cache: Callable[[], KeyValueCache] = KeyValueCache
+
+    def start(self, n_layers: int) -> None:
+        """Make the layers' empty caches (at the first step)."""
+        self.layers = [LayerCache(self.new_cache(), self.new_cache()) for _ in range(n_layers)]
+
+    def positions(self) -> int | Tensor:
+        """The position of the next token: one int for every row, or (rows,) each row's own."""
+        return self.length
+
+    def advance(self, tokens: int) -> None:
+        self.length += tokens
 
     def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
         """Keep the batch rows in `index` (in that order), e.g. the unfinished sentences.
@@ -216,19 +238,15 @@ class DecoderState:
         sentence; by default the same as index. (Beam search keeps one per sentence for its k
         beams and passes the surviving sentences.)"""
         for layer in self.layers:
-            self.reorder_cache(layer["self"], index)
-            if "cross" in layer:
-                self.reorder_cache(layer["cross"], index if sources is None else sources)
+            layer.self.reorder(index)
+            if layer.cross.memory() is not None:
+                layer.cross.reorder(index if sources is None else sources)
 
     def reorder_targets(self, index: Tensor) -> None:
         """Keep the target rows in `index` (beam search moving hypotheses between the beams of one
         sentence); the cross-attention caches, a function of the sources alone, stay as they are."""
         for layer in self.layers:
-            self.reorder_cache(layer["self"], index)
-
-    def reorder_cache(self, cache: dict, index: Tensor) -> None:
-        for name, tensor in cache.items():
-            cache[name] = tensor.index_select(0, index)
+            layer.self.reorder(index)
 
 
 class Transformer(nn.Module):
@@ -295,9 +313,9 @@ class Transformer(nn.Module):
         project=False returns the normalized decoder output instead of the logits, for a loss
         that applies `output_weight` itself (fast/loss.py's chunked loss).
         """
-        offset = state.length if state is not None else 0
+        offset = state.positions() if state is not None else 0  # an int, or (rows,) each row's own
         if state is not None and not state.layers:
-            state.layers = [{} for _ in self.decoder_layers]
+            state.start(len(self.decoder_layers))
         tgt_mask = causal_mask(tgt.size(1), offset, tgt.device) if tgt.size(1) > 1 else None
         x, weights = self.embed_tokens(tgt, offset), []
         for i, layer in enumerate(self.decoder_layers):
@@ -308,7 +326,7 @@ class Transformer(nn.Module):
                 x, w = layer(x, memory, src_mask, tgt_mask, layer_state, need_weights)
             weights.append(w)
         if state is not None:
-            state.length += tgt.size(1)
+            state.advance(tgt.size(1))
         x = self.decoder_norm(x)
         return (self.project(x) if project else x), weights
 

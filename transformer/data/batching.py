@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .data import DataConfig, DataError
+from .corpus import DataConfig, DataError
 
 if TYPE_CHECKING:
     import datasets

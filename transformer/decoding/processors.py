@@ -1,0 +1,129 @@
+"""The step every search shares: the decoder's logits -> the log-probabilities a search chooses
+from, and the rules that end a sentence.
+
+Every search (greedy, sampling, beam, constrained beam) and the step-level engine call
+`log_probs` once per step, so the rules below hold the same way everywhere:
+
+- padding is never generated (an imported Marian model starts from it);
+- EOS is refused before decode.min_len tokens and, with constraints, before every phrase is in
+  (`may_not_end`), unless the row is out of room;
+- while a target prefix lasts, its token is the only choice, with its own log-probability;
+- a row at its length limit (`max_lengths`) can only end: EOS is its only choice.
+
+Sampling's temperature, top-k and top-p reshape the distribution a token is drawn from, not the
+score it gets: they are the sampler's (search.py). `sentence_done` is the one stopping rule of
+every beam search.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .config import DecodeConfig
+    from .search import Hypothesis
+
+
+def max_lengths(src_lens: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None, extra: Tensor | None = None) -> Tensor:  # fmt: skip
+    """(batch,) the most tokens each sentence may generate, EOS included: max_len_a * source
+    tokens + max_len_b; with a target prefix (batch, prefix_len; -1 after its end) at least the
+    prefix and max_len_b tokens after it; plus `extra` (batch,) tokens (constraints' length);
+    never more than `limit`, the model's positions."""
+    max_len = (src_lens * cfg.max_len_a + cfg.max_len_b).long()
+    if prefix is not None:
+        max_len = torch.maximum(max_len, prefix_lengths(prefix) + cfg.max_len_b)
+    if extra is not None:
+        max_len = max_len + extra
+    return max_len.clamp(min=1, max=limit)
+
+
+def source_lengths(src_mask: Tensor) -> Tensor:
+    """(batch,) real source tokens per sentence, from a padding mask (batch, 1, 1, src_len)."""
+    return src_mask.flatten(1).sum(-1)
+
+
+def prefix_lengths(prefix: Tensor) -> Tensor:
+    """(rows,) the number of prefix tokens of each row of prefix (rows, prefix_len), padded with -1."""
+    return (prefix >= 0).sum(-1)
+
+
+def log_probs(
+    logits: Tensor,
+    step: int | Tensor,
+    max_len: Tensor,
+    eos_id: int,
+    pad_id: int,
+    min_len: int = 0,
+    prefix: Tensor | None = None,
+    may_not_end: Tensor | None = None,
+    forcing: bool | None = None,
+) -> Tensor:
+    """Log-probabilities (rows, vocab) of each row's next token under the rules of the module
+    docstring. logits (rows, vocab); step: tokens generated so far, one for all rows or (rows,)
+    each its own; max_len (rows,); prefix (rows, prefix_len) or None; may_not_end (rows,) or None.
+    `forcing` says whether any row is at its limit when the caller knows it without waiting for
+    the device (None: find out)."""
+    lprobs = F.log_softmax(logits.float(), dim=-1)
+    lprobs[:, pad_id] = -math.inf
+    out_of_room = step + 1 >= max_len  # (rows,)
+    early = step < min_len
+    if may_not_end is not None or not isinstance(early, bool) or early:
+        refuse = early if may_not_end is None else may_not_end | early
+        lprobs[:, eos_id] = torch.where(refuse & ~out_of_room, -math.inf, lprobs[:, eos_id])
+    if prefix is not None:
+        lprobs = force_prefix(lprobs, prefix, step)
+    if forcing is None or forcing:
+        lprobs = only_eos(lprobs, out_of_room, eos_id)
+    return lprobs
+
+
+def force_prefix(lprobs: Tensor, prefix: Tensor, step: int | Tensor) -> Tensor:
+    """Log-probabilities (rows, vocab) that leave each row whose target prefix (rows, prefix_len;
+    -1 where it has ended) has a token at `step` only that token, with its log-probability. Other
+    rows are unchanged."""
+    if isinstance(step, int):
+        if step >= prefix.size(1):
+            return lprobs
+        token = prefix[:, step : step + 1]  # (rows, 1)
+    else:  # each row at its own step
+        within = step < prefix.size(1)
+        token = prefix.gather(1, step.clamp(max=prefix.size(1) - 1)[:, None]).masked_fill(~within[:, None], -1)
+    at = token.clamp(min=0)
+    forced = torch.full_like(lprobs, -math.inf).scatter(1, at, lprobs.gather(1, at))
+    return torch.where(token >= 0, forced, lprobs)
+
+
+def only_eos(lprobs: Tensor, rows: Tensor, eos_id: int) -> Tensor:
+    """lprobs with the `rows` (a boolean (rows,) mask) left only EOS, at its own log-probability."""
+    if not bool(rows.any()):
+        return lprobs
+    keep = torch.zeros(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
+    keep[eos_id] = True
+    lprobs[rows] = torch.where(keep, lprobs[rows], -math.inf)
+    return lprobs
+
+
+def length_penalty(length: Tensor | int, alpha: float):
+    """GNMT (Wu et al., 2016): lp(Y) = ((5 + |Y|) / 6) ** alpha."""
+    return ((5 + length) / 6) ** alpha
+
+
+def sentence_done(finished: list[Hypothesis], best_live: float, max_len: int, step: int, n_best: int, alpha: float) -> bool:  # fmt: skip
+    """Whether a beam-searched sentence is done: it has reached its length limit, or it has n_best
+    finished hypotheses and no live beam (the best of them has log-probability best_live; -inf
+    when none is left) can beat the n_best-th best.
+
+    Log-probabilities only fall as a hypothesis grows, so a live beam's best reachable score is
+    its log-probability divided by the largest length penalty it can still get.
+    """
+    if step + 1 >= max_len or best_live == -math.inf:
+        return True
+    if len(finished) < n_best:
+        return False
+    nth_best = sorted(h.score for h in finished)[-n_best]
+    return best_live / length_penalty(max_len, alpha) <= nth_best

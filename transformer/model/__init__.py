@@ -1,0 +1,34 @@
+"""The model of "Attention Is All You Need", in four files read in this order:
+
+    transformer.py        the configuration, the masks, the encoder and decoder layers and stacks
+    attention.py          scaled dot-product and multi-head attention, rotary positions
+    blocks.py             embeddings, positions, feed-forward networks, Add & Norm
+    attention_variants.py the attention variants, each overriding one step of attention
+
+This is the reference: plain PyTorch modules, the same on every device. It imports nothing from
+the speed paths (transformer/fast/), training or decoding.
+"""
+
+from .transformer import (
+    DecoderLayer,
+    DecoderState,
+    EncoderLayer,
+    LayerCache,
+    ModelConfig,
+    Transformer,
+    causal_mask,
+    count_parameters,
+    padding_mask,
+)
+
+__all__ = [
+    "DecoderLayer",
+    "DecoderState",
+    "EncoderLayer",
+    "LayerCache",
+    "ModelConfig",
+    "Transformer",
+    "causal_mask",
+    "count_parameters",
+    "padding_mask",
+]
