@@ -17,8 +17,10 @@ let in with the same pool. Prints the CPU's features first.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -81,13 +83,15 @@ def reserved_at_once(engine: Engine, sources: list[list[int]], settings: DecodeC
     return most
 
 
-@exit_on_user_error
-def main(cfg: EngineBenchConfig) -> None:
+def main(argv: list[str]) -> None:
+    setup_logging()
+    with exit_on_user_error():
+        cfg = parse_args(argv, EngineBenchConfig, __doc__)
+        translator = Translator.load(cfg.checkpoint, device="cpu")
+        sources = translator.encode(read_lines(Path(cfg.input))[: cfg.lines])
     print(hardware())
     torch.set_grad_enabled(False)
-    translator = Translator.load(cfg.checkpoint, device="cpu")
     eos = translator.tokenizer.eos_id
-    sources = translator.encode(read_lines(cfg.input)[: cfg.lines])
     print(f"{len(sources)} lines of {cfg.input}, {cfg.rounds} rounds in turns, pool {cfg.pool_mib:g} MiB")
     print("| search | corpus sent/s | engine sent/s | engine / corpus | identical | most at once | preemptions | copied per step | mean history |")  # fmt: skip
     print("|---|---:|---:|---:|---|---:|---:|---:|---:|")
@@ -117,5 +121,4 @@ def main(cfg: EngineBenchConfig) -> None:
 
 
 if __name__ == "__main__":
-    setup_logging()
-    main(parse_args(EngineBenchConfig))
+    main(sys.argv[1:])

@@ -224,6 +224,8 @@ class Engine:
         that joined last give their blocks back and wait at the front of the queue, to start
         again from their source when there is room (preemption by recomputation; their
         translations are the same). The first running sentence always fits: `add` checked it."""
+        if sum(len(s.rows) for s in self.running) <= len(self.pool.free):
+            return  # a row takes at most one block a step
         while len(self.running) > 1:
             takes = sum(self.pool.takes(row.table, len(row.tokens)) for s in self.running for row in s.rows)
             if takes <= len(self.pool.free):
