@@ -16,7 +16,7 @@ from transformer.decoding import DecodeConfig
 from transformer.decoding.engine import AdmissionFailed, Engine, Sentence
 from transformer.fast import accelerate, paged
 from transformer.fast.paged import BlockPool
-from transformer.model import padding_mask
+from transformer.model import DecoderLayer, padding_mask
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -276,3 +276,50 @@ def test_a_sentence_whose_encoder_pass_fails_leaves_with_its_blocks_and_the_batc
     while engine.busy:
         engine.step(4096)
     assert len(answered) == 1 and sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+
+
+def test_the_engine_decodes_through_the_models_own_decoder_layers(accelerated, corpus, monkeypatch):
+    """No second layer forward: every engine step runs DecoderLayer.forward once per layer, on
+    the paged caches."""
+    model, tokenizer = accelerated({})
+    settings = DecodeConfig(strategy="beam", beam_size=3)
+    calls = []
+    forward = DecoderLayer.forward
+
+    def counted(layer, x, memory, src_mask, tgt_mask, cache=None, need_weights=False):
+        calls.append(type(cache.self).__name__)
+        return forward(layer, x, memory, src_mask, tgt_mask, cache, need_weights)
+
+    monkeypatch.setattr(DecoderLayer, "forward", counted)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4)
+    sources = Translator(model, tokenizer, "cpu", settings).encode(corpus[0][:3])
+    run_engine(engine, sources, settings)
+    assert calls and set(calls) == {"PagedKeyValueCache"}
+    assert len(calls) == engine.steps * model.cfg.n_decoder_layers
+
+
+def test_sentences_with_different_settings_share_a_small_pool_and_get_their_own_translations(accelerated, corpus):
+    """Greedy and beam sentences of different beam sizes run side by side (as requests with their
+    own settings do in the server), in a pool small enough to preempt: each gets translate_ids'
+    translation under its own settings."""
+    model, tokenizer = accelerated({})
+    base = DecodeConfig(strategy="beam", beam_size=4)
+    translator = Translator(model, tokenizer, "cpu", base)
+    sources = translator.encode(corpus[0][:12])
+    kinds = [DecodeConfig(strategy="greedy"), DecodeConfig(strategy="beam", beam_size=2), DecodeConfig(strategy="beam", beam_size=4, n_best=2)]  # fmt: skip
+    settings = [kinds[i % 3] for i in range(len(sources))]
+    expected = [translator.translate_ids([ids], s)[0] for ids, s in zip(sources, settings)]
+    per_block = BlockPool.bytes_per_block(4, *paged.pool_shape(model), torch.float32)
+    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=per_block, block_size=4)
+    probes = [Sentence(ids + [tokenizer.eos_id], s, lambda nb: None) for ids, s in zip(sources, settings)]
+    for probe in probes:
+        probe.max_len = engine.length_limit(len(probe.ids), probe.settings)
+    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=max(map(engine.need, probes)) * per_block, block_size=4)
+    out = [None] * len(sources)
+    for i, (ids, s) in enumerate(zip(sources, settings)):
+        engine.add(Sentence(ids + [tokenizer.eos_id], s, lambda nb, i=i: out.__setitem__(i, nb)))
+    while engine.busy:
+        engine.step(max_new_tokens=4096)
+    assert engine.preemptions > 0
+    assert [[h.tokens for h in hyps] for hyps in out] == [[h.tokens for h in hyps] for hyps in expected]
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))

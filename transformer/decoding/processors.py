@@ -8,7 +8,8 @@ Every search (greedy, sampling, beam, constrained beam) and the step-level engin
 - EOS is refused before decode.min_len tokens and, with constraints, before every phrase is in
   (`may_not_end`), unless the row is out of room;
 - while a target prefix lasts, its token is the only choice, with its own log-probability;
-- a row at its length limit (`max_lengths`) can only end: EOS is its only choice.
+- a row at its length limit (`max_lengths`) can only end: EOS is its only choice (the limit
+  counts the EOS, so it wins over a prefix that would go on).
 
 Sampling's temperature, top-k and top-p reshape the distribution a token is drawn from, not the
 score it gets: they are the sampler's (search.py). `sentence_done` is the one stopping rule of
@@ -75,10 +76,11 @@ def log_probs(
     if may_not_end is not None or not isinstance(early, bool) or early:
         refuse = early if may_not_end is None else may_not_end | early
         lprobs[:, eos_id] = torch.where(refuse & ~out_of_room, -math.inf, lprobs[:, eos_id])
+    ending = lprobs[:, eos_id].clone() if forcing is None or forcing else None  # before a prefix takes it away
     if prefix is not None:
         lprobs = force_prefix(lprobs, prefix, step)
-    if forcing is None or forcing:
-        lprobs = only_eos(lprobs, out_of_room, eos_id)
+    if ending is not None:
+        lprobs = only_eos(lprobs, out_of_room, eos_id, ending)
     return lprobs
 
 
@@ -98,13 +100,13 @@ def force_prefix(lprobs: Tensor, prefix: Tensor, step: int | Tensor) -> Tensor:
     return torch.where(token >= 0, forced, lprobs)
 
 
-def only_eos(lprobs: Tensor, rows: Tensor, eos_id: int) -> Tensor:
-    """lprobs with the `rows` (a boolean (rows,) mask) left only EOS, at its own log-probability."""
+def only_eos(lprobs: Tensor, rows: Tensor, eos_id: int, ending: Tensor) -> Tensor:
+    """lprobs with the `rows` (a boolean (rows,) mask) left only EOS, at its log-probability
+    `ending` (rows,) (a row's limit ends it even where a prefix would go on)."""
     if not bool(rows.any()):
         return lprobs
-    keep = torch.zeros(lprobs.size(1), dtype=torch.bool, device=lprobs.device)
-    keep[eos_id] = True
-    lprobs[rows] = torch.where(keep, lprobs[rows], -math.inf)
+    lprobs[rows] = -math.inf
+    lprobs[:, eos_id] = torch.where(rows, ending, lprobs[:, eos_id])
     return lprobs
 
 
