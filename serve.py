@@ -9,11 +9,12 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
-    limits.scheduler=request      whole requests are merged into decoding batches; =continuous: sentences
+    scheduler=batch|continuous    batch: whole requests are merged into decoding batches; continuous: sentences
                                   join and leave the running batch at every step, on a paged key/value cache
-    limits.pool_mib=256  limits.block_size=16   the continuous scheduler's key/value pool (allocated at start)
-    limits.max_batch_tokens=4096  source tokens that join a batch at once (request: per batch)
-    limits.max_wait_ms=5          request: how long the oldest request waits for others to join its batch
+                                  (as translate.py's; what it cannot run falls back to batch, /health says why)
+    scheduler.pool_mib=256  scheduler.block_size=16   the continuous scheduler's key/value pool (allocated at start)
+    limits.max_batch_tokens=4096  source tokens that join a batch at once (batch: per batch)
+    limits.max_wait_ms=5          batch: how long the oldest request waits for others to join its batch
     access_log=false            uvicorn's line per request
     drain_seconds=30            after SIGTERM, how long the requests in flight may take before they are cut
 Endpoints: POST /v1/translate, POST /v1/align, GET /health, GET /metrics, GET / (docs/SERVING.md).
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 from transformer.cli import parse_args, setup_logging
 from transformer.decoding import DecodeConfig
+from transformer.decoding.config import SchedulerConfig
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.runtime import RuntimeConfig
 from transformer.serving import ServeLimits, create_app, run
@@ -51,6 +53,7 @@ class ServeConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     limits: ServeLimits = field(default_factory=ServeLimits)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -73,7 +76,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def prepare(cfg: ServeConfig):
     translator = Translator.load(cfg.checkpoint, cfg.ensemble, cfg.device, cfg.decode, cfg.runtime)
-    return translator, create_app(translator, cfg.limits)
+    return translator, create_app(translator, cfg.limits, cfg.scheduler)
 
 
 def off_the_main_thread(fn, *args):

@@ -9,13 +9,13 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     ensemble=[PATH,...]        more checkpoints with the same tokenizer; probabilities are averaged
     input=PATH output=PATH     default: stdin and stdout
     chunk_lines=2000           lines read, translated and written at a time: memory stays bounded
-                               and output follows a pipe as its lines arrive (scheduler=chunks)
+                               and output follows a pipe as its lines arrive (scheduler=batch)
     interactive=true           translate each line as it arrives (the default when stdin is a terminal)
-    scheduler=chunks|continuous
-                               continuous: each line joins the running batch at the next decoding
+    scheduler=batch|continuous continuous: each line joins the running batch at the next decoding
                                step as soon as it is read, and is written as soon as it and the
-                               lines before it have ended (for streams; greedy and beam search)
-    pool_mib=256               continuous: the key/value pool; lines wait when it is full
+                               lines before it have ended (for streams; plain lines, greedy and
+                               beam search; otherwise a warning and scheduler=batch), as serve.py's
+    scheduler.pool_mib=256     continuous: the key/value pool; lines wait when it is full
     device=auto|cpu|cuda
     runtime=fast|reference     reference: the model as written, without the speed paths
     decode=beam|greedy|sample  a decoding preset (configs/decode/); then decode.beam_size=5 etc.
@@ -37,7 +37,6 @@ Empty input lines give empty output lines; over-long lines are truncated with a 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,7 +48,8 @@ from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
 from transformer.decoding import DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
-from transformer.errors import ConfigError, exit_on_user_error
+from transformer.decoding.config import SchedulerConfig
+from transformer.errors import exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
 from transformer.runtime import RuntimeConfig
@@ -57,7 +57,7 @@ from transformer.translator import Translator
 
 log = logging.getLogger("translate")
 
-CHUNK_LINES = 2000  # scheduler=chunks reads this many lines at a time unless chunk_lines= says
+CHUNK_LINES = 2000  # scheduler=batch reads this many lines at a time unless chunk_lines= says
 
 
 @dataclass
@@ -71,8 +71,9 @@ class TranslateConfig:
     interactive: bool = False
     prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
     constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
-    scheduler: str = "chunks"  # or "continuous": lines join the running batch step by step (decoding/stream.py)
-    pool_mib: float = 256.0  # continuous: the key/value pool
+    scheduler: SchedulerConfig = field(
+        default_factory=SchedulerConfig
+    )  # scheduler=continuous: lines join the running batch step by step (decoding/stream.py)
     tgt_lang: Optional[str] = None  # a many-to-many model's target language
     pivot: Optional[str] = None  # translate into this language first, then from it into tgt_lang
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -81,17 +82,8 @@ class TranslateConfig:
     def __post_init__(self) -> None:
         if self.chunk_lines is not None and self.chunk_lines < 1:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
-        if self.scheduler not in ("chunks", "continuous"):
-            raise ValueError(f"scheduler={self.scheduler!r} is not one of ('chunks', 'continuous')")
-        if not 0 < self.pool_mib < math.inf:
-            raise ValueError(f"pool_mib={self.pool_mib} must be > 0 and finite")
-        if self.scheduler == "continuous" and self.chunk_lines is not None:
+        if self.scheduler.kind == "continuous" and self.chunk_lines is not None:
             raise ValueError("scheduler=continuous reads each line as it arrives: it cannot be used with chunk_lines=")
-        if self.scheduler == "continuous":
-            for key in ("prefix", "constraints", "pivot", "decode.alignment"):
-                value = self.decode.alignment if key == "decode.alignment" else getattr(self, key)
-                if value:
-                    raise ValueError(f"scheduler=continuous translates plain lines: it cannot be used with {key}=")
         if self.prefix and self.constraints:
             raise ValueError("prefix=true and constraints=true read different lines: choose one")
         if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
@@ -153,21 +145,19 @@ def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[st
     return output_lines(n_best, translator.tokenizer, cfg.decode.n_best, count, alignments)
 
 
-def translate_continuous(cfg: TranslateConfig, translator: Translator, bar, name: str, write) -> int:
+def plain_lines_only(cfg: TranslateConfig) -> str | None:
+    """Why the continuous engine cannot translate these inputs (it takes plain lines), or None."""
+    for key in ("prefix", "constraints", "pivot", "decode.alignment"):
+        if cfg.decode.alignment if key == "decode.alignment" else getattr(cfg, key):
+            return f"it translates plain lines, not {key}="
+    return None
+
+
+def translate_continuous(cfg: TranslateConfig, translator: Translator, engine, bar, name: str, write) -> int:
     """scheduler=continuous: every input line through the step-level engine; returns the line count."""
-    from transformer.decoding.engine import Engine
     from transformer.decoding.stream import translate_stream
 
     settings = translator.decode
-    try:
-        engine = Engine(translator.model, translator.tokenizer, settings, translator.device, int(cfg.pool_mib * 2**20))
-    except ValueError as e:
-        raise ConfigError(f"scheduler=continuous cannot decode here: {e}; use scheduler=chunks") from None
-    problem = engine.pool_too_small(translator.max_source_tokens + 1, settings.beam_size, "decode.beam_size", "pool_mib", cfg.pool_mib)  # fmt: skip
-    if problem:
-        raise ConfigError(problem)
-    blocks = engine.pool.n_blocks
-    log.info("scheduler=continuous: a key/value pool of %d blocks (%.0f MiB)", blocks, engine.mib(blocks))
     tag, tokenizer = translator.target_tag(cfg.tgt_lang), translator.tokenizer
 
     def encode(text: str, index: int) -> list[int]:
@@ -192,10 +182,11 @@ def main(argv: list[str]) -> None:
         if cfg.pivot is not None:
             translator.target_tag(cfg.pivot)
         warn_if_target_language(cfg.input, translator)
+        engine = translator.continuous_engine(cfg.scheduler, cfg.decode.beam_size, "decode.beam_size", plain_lines_only(cfg))  # fmt: skip
         name, count = cfg.input or "stdin", 0
         with progress_bar(None, "translate") as bar, output_stream(output) as write:
-            if cfg.scheduler == "continuous":
-                count = translate_continuous(cfg, translator, bar, name, write)
+            if engine is not None:
+                count = translate_continuous(cfg, translator, engine, bar, name, write)
             else:
                 for lines in input_chunks(cfg):  # each chunk's translations written before the next is read
                     write(translate_chunk(cfg, translator, lines, bar, name, count))

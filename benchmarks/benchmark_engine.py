@@ -43,7 +43,7 @@ class EngineBenchConfig:
     rounds: int = 3
     pool_mib: float = 256.0
     capacity_mib: float = 4.0
-    max_new_tokens: int = 8192
+    join_tokens: int = 8192
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.lines < 1:
@@ -53,7 +53,7 @@ class EngineBenchConfig:
             raise ValueError(f"strategies: {sorted(unknown)} unknown; the engine runs greedy and beam")
 
 
-def run_engine(engine: Engine, sources: list[list[int]], settings: DecodeConfig, eos_id: int, max_new_tokens: int):
+def run_engine(engine: Engine, sources: list[list[int]], settings: DecodeConfig, eos_id: int, join_tokens: int):
     """Every source added at once, decoded to the end: (n-best lists in input order, steps, row-tokens attended)."""
     out = [None] * len(sources)
     for i, ids in enumerate(sources):
@@ -61,7 +61,7 @@ def run_engine(engine: Engine, sources: list[list[int]], settings: DecodeConfig,
     steps = history = 0
     while engine.busy:
         history += sum(len(row.tokens) + 1 for s in engine.running for row in s.rows)
-        if engine.step(max_new_tokens):
+        if engine.step(join_tokens):
             steps += 1
     return out, steps, history
 
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
             corpus_times.append(time.perf_counter() - start)
             engine = Engine(translator.model, translator.tokenizer, settings, "cpu", int(cfg.pool_mib * 2**20))
             start = time.perf_counter()
-            got, steps, history = run_engine(engine, sources, settings, eos, cfg.max_new_tokens)
+            got, steps, history = run_engine(engine, sources, settings, eos, cfg.join_tokens)
             engine_times.append(time.perf_counter() - start)
         same = [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in expected]
         corpus, ours = len(sources) / statistics.median(corpus_times), len(sources) / statistics.median(engine_times)
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
         print(f"| {settings.label} | {corpus:.1f} | {ours:.1f} | {ours / corpus:.2f}x | {'yes' if same else 'NO'} | {engine.most_running} | {engine.preemptions} | {per_step:.2f} MiB | {history / steps:.0f} row-tokens |")  # fmt: skip
     settings = DecodeConfig(strategy="beam", beam_size=cfg.beam_size)
     engine = Engine(translator.model, translator.tokenizer, settings, "cpu", int(cfg.capacity_mib * 2**20))
-    got, _, _ = run_engine(engine, sources, settings, eos, cfg.max_new_tokens)
+    got, _, _ = run_engine(engine, sources, settings, eos, cfg.join_tokens)
     expected = translator.translate_ids(sources, settings)
     same = [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in expected]
     reserved = reserved_at_once(engine, sources, settings, eos)

@@ -5,10 +5,10 @@ load_test.py's throughput and latency, the errors, and the server's peak residen
         input=data/multi30k/test_2016_flickr.de.gz clients=[1,8,32,64] seconds=30 output=schedulers.json
 
 Arguments (key=value): checkpoint, input (sentences, one per line), clients, seconds,
-schedulers=[request,continuous], serve=['KEY=VALUE',...] (more serve.py arguments, each quoted),
-output. Prints one table row per scheduler and client count, and the ratios continuous / request.
+schedulers=[batch,continuous], serve=['KEY=VALUE',...] (more serve.py arguments, each quoted),
+output. Prints one table row per scheduler and client count, and the ratios continuous / batch.
 A server that serves with another scheduler than it was asked for (continuous batching falls back
-to request for the models and settings it cannot run: /health says which and why) is one error
+to batch for the models and settings it cannot run: /health says which and why) is one error
 line and exit status 1, before anything is measured.
 """
 
@@ -44,7 +44,7 @@ class CompareSchedulersConfig:
     input: str = "data/multi30k/test_2016_flickr.de.gz"
     clients: list[int] = field(default_factory=lambda: [1, 8, 32, 64])
     seconds: float = 30.0
-    schedulers: list[str] = field(default_factory=lambda: ["request", "continuous"])
+    schedulers: list[str] = field(default_factory=lambda: ["batch", "continuous"])
     serve: list[str] = field(default_factory=list)
     output: Optional[str] = None
 
@@ -84,10 +84,10 @@ def main(argv: list[str]) -> None:
         sentences = [line for line in read_lines(Path(cfg.input)) if line]
     rows = []
     for scheduler in cfg.schedulers:
-        server = ServeProcess([f"checkpoint={cfg.checkpoint}", f"limits.scheduler={scheduler}", *cfg.serve])
+        server = ServeProcess([f"checkpoint={cfg.checkpoint}", f"scheduler={scheduler}", *cfg.serve])
         if not server.ready.wait(300) or server.url is None:
             server.stop()
-            sys.exit(f"error: serve.py limits.scheduler={scheduler} did not start")
+            sys.exit(f"error: serve.py scheduler={scheduler} did not start")
         problem = scheduler_problem(server.url, scheduler)
         if problem:
             server.stop()
@@ -118,7 +118,7 @@ def scheduler_problem(url: str, asked: str) -> str | None:
     if health["scheduler"] == asked:
         return None
     why = health.get("scheduler_fallback", "/health gives no reason")
-    return f"serve.py was asked for limits.scheduler={asked} but serves with scheduler={health['scheduler']} ({why}); no numbers measured"  # fmt: skip
+    return f"serve.py was asked for scheduler={asked} but serves with scheduler={health['scheduler']} ({why}); no numbers measured"  # fmt: skip
 
 
 def print_row(row: dict) -> None:
@@ -128,17 +128,17 @@ def print_row(row: dict) -> None:
 
 
 def compare(rows: list[dict]) -> list[str]:
-    """continuous / request at each client count: throughput, p50 and p99 latency."""
+    """continuous / batch at each client count: throughput, p50 and p99 latency."""
     by = {(r["scheduler"], r["clients"]): r for r in rows}
     lines = []
     for (scheduler, clients), row in sorted(by.items()):
-        base = by.get(("request", clients))
+        base = by.get(("batch", clients))
         if scheduler != "continuous" or base is None:
             continue
         t = row["throughput_sentences_per_s"] / base["throughput_sentences_per_s"]
         p50 = row["latency_ms"]["p50"] / base["latency_ms"]["p50"]
         p99 = row["latency_ms"]["p99"] / base["latency_ms"]["p99"]
-        lines.append(f"continuous / request at {clients} clients: throughput {t:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
+        lines.append(f"continuous / batch at {clients} clients: throughput {t:.2f}x, p50 {p50:.2f}x, p99 {p99:.2f}x")
     return lines
 
 

@@ -8,7 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import Config, register_schema, to_config
+from transformer.config import Config, compose_command, register_schema, to_config
+from transformer.decoding.config import SchedulerConfig
 from transformer.errors import ConfigError
 from transformer.model import ModelConfig
 from transformer.model.attention_variants import VARIANTS, AttentionConfig
@@ -16,10 +17,11 @@ from transformer.model.attention_variants import VARIANTS, AttentionConfig
 from .test_cli import assert_one_line_error, run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+COMMAND_GROUPS = {"scheduler"}  # translate.py's and serve.py's settings, not train.py's
 GROUP_OPTIONS = [
     (group.name, option.stem)
     for group in sorted(CONFIGS.iterdir())
-    if group.is_dir()
+    if group.is_dir() and group.name not in COMMAND_GROUPS
     for option in sorted(group.glob("*.yaml"))
 ]
 
@@ -34,6 +36,18 @@ def compose_config(overrides: list[str]):
 def test_every_config_composes_into_the_typed_config(group, option):
     cfg = to_config(compose_config([f"{group}={option}"]))
     assert isinstance(cfg, Config)
+
+
+@pytest.mark.parametrize("option", sorted(p.stem for p in (CONFIGS / "scheduler").glob("*.yaml")))
+def test_every_scheduler_option_composes_into_the_commands_config(option):
+    """scheduler=NAME, as translate.py and serve.py take it, and its fields beside it."""
+
+    @dataclasses.dataclass
+    class Command:
+        scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
+
+    cfg = compose_command([f"scheduler={option}", "scheduler.pool_mib=64"], Command, "", "scheduler_probe")
+    assert cfg.scheduler == SchedulerConfig(kind=option, pool_mib=64)
 
 
 def test_default_is_the_multi30k_de_en_recipe():

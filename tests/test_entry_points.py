@@ -90,8 +90,8 @@ def test_serve_with_int8_serves_the_int8_model_over_http(model_path):
     texts = corpus_lines("de", 3, "val")
     expected = translate_py(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", stdin="".join(t + "\n" for t in texts))  # fmt: skip
     assert expected.returncode == 0, expected.stderr
-    for scheduler in ("continuous", "request"):
-        with Server(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", f"limits.scheduler={scheduler}") as server:  # fmt: skip
+    for scheduler in ("continuous", "batch"):
+        with Server(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", f"scheduler={scheduler}") as server:  # fmt: skip
             response = httpx.post(server.url + "/v1/translate", json={"text": texts}, timeout=60)
             health = httpx.get(server.url + "/health").json()
             log = "\n".join(server.log)

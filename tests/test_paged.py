@@ -133,7 +133,7 @@ def run_engine(engine: Engine, sources, settings, join_every: int = 2) -> list:
             for i, ids in pending[:2]:
                 engine.add(Sentence(ids + [engine.tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
             pending = pending[2:]
-        engine.step(max_new_tokens=4096)
+        engine.step(join_tokens=4096)
         steps += 1
     return out
 
@@ -185,7 +185,7 @@ def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
     engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1, block_size=4)  # at least one block: grown below
     longest = max(sources, key=len)
     probe = Sentence(longest + [tokenizer.eos_id], settings, lambda nb: None)
-    with pytest.raises(ValueError, match="raise limits.pool_mib"):
+    with pytest.raises(ValueError, match="raise scheduler.pool_mib"):
         engine.add(probe)  # one block can never hold it
     per_block = engine.pool.keys[:, :4].nbytes * 2
     engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=engine.need(probe) * per_block, block_size=4)
@@ -193,7 +193,7 @@ def test_a_full_pool_makes_sentences_wait_and_never_fail(corpus):
     for i, ids in enumerate(sources):
         engine.add(Sentence(ids + [tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
     while engine.busy:
-        engine.step(max_new_tokens=4096)
+        engine.step(join_tokens=4096)
     assert engine.most_running < len(sources)  # they took turns
     assert [h[0].tokens for h in out] == [h[0].tokens for h in expected]
     assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
@@ -221,7 +221,7 @@ def test_a_pool_a_quarter_of_the_need_preempts_and_translates_every_sentence_the
     for i, ids in enumerate(sources):
         engine.add(Sentence(ids + [tokenizer.eos_id], settings, lambda nb, i=i: out.__setitem__(i, nb)))
     while engine.busy:
-        engine.step(max_new_tokens=4096)
+        engine.step(join_tokens=4096)
     reserved_at_once = blocks // max(needs)  # what worst-case reservation would have run together
     assert engine.preemptions > 0 and engine.most_running > reserved_at_once
     assert [[h.tokens for h in hyps] for hyps in out] == [[h.tokens for h in hyps] for hyps in expected]
@@ -319,7 +319,7 @@ def test_sentences_with_different_settings_share_a_small_pool_and_get_their_own_
     for i, (ids, s) in enumerate(zip(sources, settings)):
         engine.add(Sentence(ids + [tokenizer.eos_id], s, lambda nb, i=i: out.__setitem__(i, nb)))
     while engine.busy:
-        engine.step(max_new_tokens=4096)
+        engine.step(join_tokens=4096)
     assert engine.preemptions > 0
     assert [[h.tokens for h in hyps] for hyps in out] == [[h.tokens for h in hyps] for hyps in expected]
     assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))

@@ -83,7 +83,7 @@ async def translate_concurrently(url: str, bodies: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def continuous_server(model_path):
-    with Server(f"checkpoint={model_path}", *QUICK, *LIMITS, "limits.scheduler=continuous") as running:
+    with Server(f"checkpoint={model_path}", *QUICK, *LIMITS, "scheduler=continuous") as running:
         yield running
 
 
@@ -257,7 +257,7 @@ def test_a_full_queue_is_429_and_sigterm_drains_the_requests_in_flight(model_pat
     slow = Server(
         f"checkpoint={model_path}",
         *QUICK,
-        "limits.scheduler=request",
+        "scheduler=batch",
         "limits.max_queue=1",
         "limits.max_wait_ms=3000",
         "drain_seconds=8",
@@ -301,12 +301,12 @@ def test_a_bad_server_config_is_one_error_line(case, model_path, tmp_path, capsy
         "bad limit": ([f"checkpoint={model_path}", "limits.max_lines=0"], "limits.max_lines=0 must be >= 1"),
         "bad port": ([f"checkpoint={model_path}", "port=70000"], "port=70000 is not in 0..65535"),
         "small pool": (
-            [f"checkpoint={model_path}", "limits.scheduler=continuous", "limits.pool_mib=0.01"],
-            "raise limits.pool_mib to",
+            [f"checkpoint={model_path}", "scheduler=continuous", "scheduler.pool_mib=0.01"],
+            "raise scheduler.pool_mib to",
         ),
         "bad scheduler": (
-            [f"checkpoint={model_path}", "limits.scheduler=fifo"],
-            "limits.scheduler='fifo' is not one of",
+            [f"checkpoint={model_path}", "scheduler.kind=fifo"],
+            "scheduler.kind='fifo' is not one of",
         ),
     }[case]
     with busy:
@@ -335,9 +335,9 @@ def test_compare_schedulers_runs_both_and_reports_their_ratios(model_path, sente
     args = [f"checkpoint={model_path}", f"input={tmp_path / 'in.de'}", "clients=[2]", "seconds=1", "serve=[" + ",".join(f"'{q}'" for q in QUICK) + "]", f"output={tmp_path / 'out.json'}"]  # fmt: skip
     assert run_entry("benchmarks/compare_schedulers.py", args) == 0
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
-    assert [(r["scheduler"], r["clients"]) for r in rows] == [("request", 2), ("continuous", 2)]
+    assert [(r["scheduler"], r["clients"]) for r in rows] == [("batch", 2), ("continuous", 2)]
     assert all(r["errors"] == 0 and r["throughput_sentences_per_s"] > 0 and r["peak_rss_mib"] > 0 for r in rows)
-    assert "continuous / request at 2 clients: throughput" in capsys.readouterr().out
+    assert "continuous / batch at 2 clients: throughput" in capsys.readouterr().out
 
 
 @pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""serve.py's continuous scheduler over real HTTP (limits.scheduler=continuous): requests at random
+"""serve.py's continuous scheduler over real HTTP (scheduler=continuous): requests at random
 moments into a small pool get translate.py's translations, a client that gives up costs no blocks
 and has them back within a few steps; a request whose sentences cannot be encoded gets a 500 and
 the engine serves on; /health checks the engine that serves, and says when and why the server
@@ -23,6 +23,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from transformer.decoding.config import SchedulerConfig
 from transformer.fast.paged import PagedKeyValueCache
 from transformer.serving import ServeLimits
 from transformer.serving import app as serving_app
@@ -75,9 +76,9 @@ def test_continuous_batching_answers_as_translate_py_with_a_full_pool_and_a_clie
         assert done.returncode == 0, done.stderr
         expected[k] = done.stdout.splitlines()
     small_pool = [
-        "limits.scheduler=continuous",
-        "limits.pool_mib=0.25",
-        "limits.block_size=16",
+        "scheduler=continuous",
+        "scheduler.pool_mib=0.25",
+        "scheduler.block_size=16",
         "limits.max_beam_size=4",
     ]
     with Server(f"checkpoint={model_path}", *QUICK, *small_pool) as server:
@@ -112,8 +113,8 @@ def test_torch_work_other_than_decoding_runs_on_the_decoding_thread(model_path):
         batcher.close()
         return ident, batcher.thread.ident, failed[0]
 
-    for scheduler in ("request", "continuous"):
-        _, batcher, _ = serving_app.scheduler(translator, ServeLimits(scheduler=scheduler, pool_mib=1), Metrics())
+    for kind in ("batch", "continuous"):
+        _, batcher, _ = serving_app.scheduler(translator, ServeLimits(), SchedulerConfig(kind=kind, pool_mib=1), Metrics())  # fmt: skip
         ident, decoding, failed = asyncio.run(threads(batcher))
         assert ident == decoding != threading.get_ident()
         assert isinstance(failed, ValueError)  # an error reaches its caller
@@ -146,9 +147,9 @@ def test_a_client_that_disconnects_has_its_blocks_back_within_a_few_steps(model_
     """Sentences held to 100 tokens at beam 8 take a while to decode. A client that closes its
     socket once they have joined the batch has their blocks back well before they could have
     ended: uvicorn does not cancel a handler whose client has gone, so the app watches for it."""
-    long = ["decode.min_len=100", "decode.max_len_a=0", "decode.max_len_b=110", "limits.pool_mib=8"]
+    long = ["decode.min_len=100", "decode.max_len_a=0", "decode.max_len_b=110", "scheduler.pool_mib=8"]
     body = {"text": corpus_lines("de", 12, "val"), "beam_size": 8}
-    with Server(f"checkpoint={model_path}", "device=cpu", "limits.scheduler=continuous", *long) as server:
+    with Server(f"checkpoint={model_path}", "device=cpu", "scheduler=continuous", *long) as server:
         assert wait_for(lambda: health(server)["status"] == "ok", timeout=60)
         blocks = health(server)["pool"]["blocks"]
         started = time.perf_counter()
@@ -167,9 +168,9 @@ def test_a_client_that_disconnects_has_its_blocks_back_within_a_few_steps(model_
 
 
 @contextlib.asynccontextmanager
-async def served(translator: Translator, limits: ServeLimits):
+async def served(translator: Translator, schedule: SchedulerConfig):
     """The app in this process, started (its readiness check done) and a client of it."""
-    app = serving_app.create_app(translator, limits)
+    app = serving_app.create_app(translator, ServeLimits(), schedule)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://app") as client:
             for _ in range(600):
@@ -197,7 +198,7 @@ def test_a_request_whose_sentences_cannot_be_encoded_gets_a_500_and_the_engine_s
         raise RuntimeError("the encoder broke")
 
     async def requests() -> tuple[httpx.Response, dict, httpx.Response]:
-        async with served(translator, ServeLimits(scheduler="continuous", pool_mib=1)) as client:
+        async with served(translator, SchedulerConfig(kind="continuous", pool_mib=1)) as client:
             assert (await client.get("/health")).status_code == 200
             monkeypatch.setattr(translator.model, "encode", fails_once)
             failed = await answer(client.post("/v1/translate", json={"text": texts}))
@@ -221,7 +222,9 @@ def test_health_checks_the_engine_that_serves(model_path, monkeypatch):
 
     monkeypatch.setattr(PagedKeyValueCache, "append", broken)
     translator = loaded_translator(model_path)
-    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="continuous", pool_mib=1))) as client:
+    with TestClient(
+        serving_app.create_app(translator, ServeLimits(), SchedulerConfig(kind="continuous", pool_mib=1))
+    ) as client:
         assert wait_for(lambda: client.get("/health").json()["status"] != "loading", timeout=60)
         answer = client.get("/health")
     assert answer.status_code == 503 and "the paged step broke" in answer.json()["error"], answer.json()
@@ -238,15 +241,15 @@ def test_continuous_scheduling_falls_back_to_request_scheduling_and_health_says_
     else:
         translator = Translator.load(model_path, ensemble=[str(model_path)], device="cpu")
         why = "ensemble"
-    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="continuous"))) as client:
+    with TestClient(serving_app.create_app(translator, ServeLimits(), SchedulerConfig(kind="continuous"))) as client:
         assert wait_for(lambda: client.get("/health").status_code == 200, timeout=60)
         status = client.get("/health").json()
         assert client.post("/v1/translate", json={"text": "Ein Hund."}).status_code == 200
-    assert status["scheduler"] == "request" and "pool" not in status
-    assert status["scheduler_fallback"].startswith("limits.scheduler=continuous cannot run here: ")
+    assert status["scheduler"] == "batch" and "pool" not in status
+    assert status["scheduler_fallback"].startswith("scheduler=continuous cannot run here: ")
     assert why in status["scheduler_fallback"]
-    with TestClient(serving_app.create_app(translator, ServeLimits(scheduler="request"))) as client:
-        assert "scheduler_fallback" not in client.get("/health").json()  # asked for request scheduling
+    with TestClient(serving_app.create_app(translator, ServeLimits(), SchedulerConfig(kind="batch"))) as client:
+        assert "scheduler_fallback" not in client.get("/health").json()  # asked for batch scheduling
 
 
 @pytest.mark.e2e
@@ -259,7 +262,5 @@ def test_compare_schedulers_refuses_a_server_that_fell_back(model_path, tmp_path
     done = subprocess.run([sys.executable, "benchmarks/compare_schedulers.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     error = done.stderr.strip().splitlines()[-1]
-    assert error.startswith(
-        "error: serve.py was asked for limits.scheduler=continuous but serves with scheduler=request"
-    )
+    assert error.startswith("error: serve.py was asked for scheduler=continuous but serves with scheduler=batch")
     assert "decode.strategy=sample" in error and not done.stdout

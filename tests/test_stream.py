@@ -1,7 +1,7 @@
 """translate.py scheduler=continuous (decoding/stream.py): lines that arrive while others are being
 decoded join the running batch and get translate_ids' translations, written in input order; an
 error while reading reaches the caller; over a real pipe each translation comes out before the
-next line goes in, and the output equals scheduler=chunks'."""
+next line goes in, and the output equals scheduler=batch'."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def test_lines_arriving_mid_batch_join_it_and_get_translate_ids_translations_in_
         index_of[id(sentence)] = len(index_of)
         add(sentence)
 
-    def step_noting(max_new_tokens):
-        ran = step(max_new_tokens)
+    def step_noting(join_tokens):
+        ran = step(join_tokens)
         running.append({index_of[id(s)] for s in engine.running})
         if len(running) == 3:
             released.set()  # the second half of the input arrives after three steps
@@ -122,9 +122,13 @@ def test_translate_py_continuous_answers_each_line_of_a_pipe_before_the_next_arr
         process.kill()
     assert got == chunks.stdout.splitlines()
 
-    refused = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "prefix=true", stdin="x\n")
-    assert refused.returncode != 0 and "scheduler=continuous" in refused.stderr and "Traceback" not in refused.stderr
-    small = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "pool_mib=0.001", stdin="x\n")
-    assert small.returncode != 0 and "raise pool_mib to" in small.stderr and "Traceback" not in small.stderr
+    # What the engine cannot run falls back to scheduler=batch with one warning, as in serve.py.
+    prefixed = "Ein Hund läuft.\tA\n"
+    fallback = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "prefix=true", stdin=prefixed)
+    batch = translate_py(f"checkpoint={model_path}", "prefix=true", stdin=prefixed)
+    assert fallback.returncode == 0 and fallback.stdout == batch.stdout and fallback.stdout.startswith("A")
+    assert "scheduler=continuous cannot run here (it translates plain lines, not prefix=): decoding with scheduler=batch" in fallback.stderr  # fmt: skip
     ensemble = translate_py(f"checkpoint={model_path}", f"ensemble=[{model_path}]", "scheduler=continuous", stdin="x\n")  # fmt: skip
-    assert ensemble.returncode != 0 and "use scheduler=chunks" in ensemble.stderr and "Traceback" not in ensemble.stderr
+    assert ensemble.returncode == 0 and "cannot run here (an ensemble" in ensemble.stderr
+    small = translate_py(f"checkpoint={model_path}", "scheduler=continuous", "scheduler.pool_mib=0.001", stdin="x\n")
+    assert small.returncode != 0 and "raise scheduler.pool_mib to" in small.stderr and "Traceback" not in small.stderr

@@ -29,6 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .data import DataConfig
 from .decoding import DecodeConfig
+from .decoding.config import SchedulerConfig
 from .errors import ConfigError
 from .model import ModelConfig
 from .runtime import RuntimeConfig
@@ -90,7 +91,11 @@ def hydra_error_line(e: HydraException) -> str:
 # --- every command but train.py -----------------------------------------------------------------
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-GROUPS = {DecodeConfig: "decode", RuntimeConfig: "runtime"}  # the config group of a typed field
+GROUPS = {
+    DecodeConfig: "decode",
+    RuntimeConfig: "runtime",
+    SchedulerConfig: "scheduler",
+}  # the config group of a typed field
 
 
 def group_defaults(schema: type) -> list[dict[str, str]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 from pathlib import Path
 
@@ -22,13 +23,17 @@ from .checkpoint import direction, directions_of, language_pair, load_model, sam
 from .decoding import DecodeConfig, Ensemble, Hypothesis, encode_sources
 from .decoding import corpus as decoding
 from .decoding.alignment import align_translations
+from .decoding.config import SchedulerConfig
+from .decoding.engine import Engine, unsupported_settings
 from .decoding.strategies import empty_n_best
 from .devices import pick_device
 from .errors import ConfigError
-from .fast import accelerate
+from .fast import accelerate, paged
 from .fast.int8 import available as int8_available
 from .fast.int8 import quantize_int8
 from .runtime import RuntimeConfig
+
+log = logging.getLogger(__name__)
 
 
 class Translator:
@@ -43,6 +48,7 @@ class Translator:
         # A many-to-many model's directions, e.g. ["de-en", "en-fr"]; [] for another.
         self.directions = directions_of(self.payload.get("train_config"))
         self.lock = threading.Lock()
+        self.fallback: str | None = None  # why scheduler=continuous was not used when asked for (continuous_engine)
 
     @classmethod
     def load(
@@ -162,6 +168,33 @@ class Translator:
         """Each hypothesis's word alignment to its source, as i-j pairs (decoding/alignment.py)."""
         with self.lock:
             return align_translations(self.model, texts, n_best, self.tokenizer, self.chosen(settings), self.device)
+
+    # ---- scheduling: batches, or the step-level engine
+
+    def continuous_engine(self, scheduler: SchedulerConfig, max_beam_size: int, beam_key: str, refused: str | None = None):  # fmt: skip
+        """For scheduler=continuous, the step-level engine (decoding/engine.py) on this model, its
+        pool scheduler.pool_mib; None for scheduler=batch, and None after one warning line where
+        the engine cannot run this model, these settings or a command's option (`refused`, why
+        not): the command then decodes in batches. translate.py and serve.py share this policy.
+        ConfigError when the pool cannot hold the longest sentence at `max_beam_size` alone."""
+        if scheduler.kind != "continuous":
+            return None
+        self.fallback = refused or paged.supports(self.model) or unsupported_settings(self.decode)
+        if self.fallback:
+            log.warning("scheduler=continuous cannot run here (%s): decoding with scheduler=batch", self.fallback)
+            return None
+        engine = Engine(
+            self.model, self.tokenizer, self.decode, self.device, scheduler.pool_bytes, scheduler.block_size
+        )
+        problem = engine.pool_too_small(self.max_source_tokens + 1, max_beam_size, beam_key, "scheduler.pool_mib", scheduler.pool_mib)  # fmt: skip
+        if problem:
+            raise ConfigError(problem)
+        pool = engine.pool
+        log.info(
+            "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",
+            pool.n_blocks, pool.block_size, engine.mib(pool.n_blocks),
+        )  # fmt: skip
+        return engine
 
     # ---- what the server asks of a model
 

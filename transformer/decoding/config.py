@@ -83,3 +83,34 @@ class DecodeConfig:
         if not self.ranks:
             return self.strategy
         return f"{self.strategy}{self.beam_size}" + (f"-mbr-{self.mbr}" if self.mbr != "none" else "")
+
+
+SCHEDULERS = ("batch", "continuous")
+
+
+@dataclass
+class SchedulerConfig:
+    """How translate.py and serve.py schedule sentences for decoding: `scheduler=batch|continuous`
+    (configs/scheduler/), the same names in both commands.
+
+    batch: sentences decode in batches sorted by length, each to its end (translate.py's chunks
+    of lines; serve.py's requests merged for up to limits.max_wait_ms). continuous: each sentence
+    joins the running batch at the next decoding step and leaves when it ends (decoding/engine.py),
+    on a paged key/value pool. A model or setting the continuous engine cannot run falls back to
+    batch with one warning line saying why, in both commands (and serve.py's /health says it)."""
+
+    kind: str = "batch"
+    pool_mib: float = 256.0  # continuous: the key/value pool, allocated at start; sentences wait when it is full
+    block_size: int = 16  # continuous: positions per block of the pool
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCHEDULERS:
+            raise ValueError(f"scheduler.kind={self.kind!r} is not one of {SCHEDULERS}")
+        if not 0 < self.pool_mib < math.inf:
+            raise ValueError(f"scheduler.pool_mib={self.pool_mib} must be > 0 and finite")
+        if self.block_size < 1:
+            raise ValueError(f"scheduler.block_size={self.block_size} must be >= 1")
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.pool_mib * 2**20)

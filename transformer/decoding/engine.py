@@ -148,7 +148,7 @@ class Engine:
         if need > self.pool.n_blocks:
             raise ValueError(
                 f"a sentence of {len(sentence.ids)} tokens needs {need} blocks at beam size "
-                f"{sentence.width}; the pool has {self.pool.n_blocks} (raise limits.pool_mib)"
+                f"{sentence.width}; the pool has {self.pool.n_blocks} (raise scheduler.pool_mib)"
             )
         sentence.arrived = self.steps
         self.added += 1
@@ -159,14 +159,14 @@ class Engine:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def step(self, max_new_tokens: int) -> int:
-        """Admit the waiting sentences that fit (at most max_new_tokens source tokens), then run
+    def step(self, join_tokens: int) -> int:
+        """Admit the waiting sentences that fit (at most join_tokens source tokens), then run
         one decoding step over the whole batch. Returns the number of sentences it ran; raises
         AdmissionFailed, without running the step, when the joining sentences' encoder pass fails."""
         self.drop_cancelled()
         with torch.no_grad(), torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
             if self.joining_pays():
-                self.admit(max_new_tokens)
+                self.admit(join_tokens)
             if not self.running:
                 return 0
             logits = self.decode()
@@ -186,8 +186,8 @@ class Engine:
             return True
         return sum(len(s.ids) for s in self.waiting) >= JOIN_TOKENS
 
-    def admit(self, max_new_tokens: int) -> None:
-        """The waiting sentences that fit join, in order: at most max_new_tokens source tokens, and
+    def admit(self, join_tokens: int) -> None:
+        """The waiting sentences that fit join, in order: at most join_tokens source tokens, and
         while the free blocks hold their encoder keys and values and first tokens and leave the
         running rows room for their next token. Blocks are taken as sentences grow, not reserved
         for their longest: when a step finds the pool dry, `make_room` preempts."""
@@ -195,7 +195,7 @@ class Engine:
         headroom = sum(len(s.rows) for s in self.running)  # each running row may take a block next step
         while self.waiting:
             sentence = self.waiting[0]
-            if joining and tokens + len(sentence.ids) > max_new_tokens:
+            if joining and tokens + len(sentence.ids) > join_tokens:
                 break
             takes = self.pool.blocks_for(len(sentence.ids)) + self.first_rows(sentence)
             if takes + headroom > len(self.pool.free):

@@ -19,9 +19,8 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from ..decoding.engine import Engine, unsupported_settings
+from ..decoding.config import SchedulerConfig
 from ..errors import ConfigError
-from ..fast import paged
 from ..translator import Translator
 from .batcher import Answer, Batcher, QueueFull
 from .config import ServeLimits
@@ -36,8 +35,8 @@ CHECK_SENTENCE = "Hello."  # what the readiness check decodes
 T = TypeVar("T")
 
 
-def create_app(translator: Translator, limits: ServeLimits) -> FastAPI:
-    service = Service(translator, limits)
+def create_app(translator: Translator, limits: ServeLimits, schedule: SchedulerConfig | None = None) -> FastAPI:
+    service = Service(translator, limits, schedule or SchedulerConfig())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,9 +63,9 @@ class Service:
     """What the endpoints share: the model, the batcher in front of it, the limits and the metrics.
     `model_loaded` turns true once the model has decoded a sentence (`model_error` if it could not)."""
 
-    def __init__(self, translator: Translator, limits: ServeLimits):
+    def __init__(self, translator: Translator, limits: ServeLimits, schedule: SchedulerConfig):
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
-        self.scheduler, self.batcher, self.fallback = scheduler(translator, limits, self.metrics)
+        self.scheduler, self.batcher, self.fallback = scheduler(translator, limits, schedule, self.metrics)
         self.model_loaded, self.model_error = False, None
 
     async def check_model(self) -> None:
@@ -182,36 +181,17 @@ class Service:
         return FileResponse(STATIC / "index.html")
 
 
-def scheduler(translator: Translator, limits: ServeLimits, metrics: Metrics) -> tuple[str, object, str | None]:
-    """The scheduler asked for, or the request-level one (with a warning naming why) where
-    continuous batching cannot run this model or these settings: its name, the batcher, and why
-    continuous batching was not used when it was asked for (None otherwise)."""
-    if limits.scheduler == "continuous":
-        reason = paged.supports(translator.model) or unsupported_settings(translator.decode)
-        if reason is None:
-            engine = Engine(translator.model, translator.tokenizer, translator.decode, translator.device, int(limits.pool_mib * 2**20), limits.block_size)  # fmt: skip
-            pool = engine.pool
-            check_pool(engine, translator.max_source_tokens + 1, limits)
-            log.info(
-                "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",
-                pool.n_blocks, pool.block_size, engine.mib(pool.n_blocks),
-            )  # fmt: skip
-            batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
-            return "continuous", batcher, None
-        log.warning("limits.scheduler=continuous cannot run here (%s): serving with scheduler=request", reason)
-        fallback = f"limits.scheduler=continuous cannot run here: {reason}"
-    else:
-        fallback = None
+def scheduler(translator: Translator, limits: ServeLimits, schedule: SchedulerConfig, metrics: Metrics) -> tuple[str, object, str | None]:  # fmt: skip
+    """The scheduler asked for, or the batch scheduler where continuous batching cannot run this
+    model or these settings (Translator.continuous_engine: the same policy as translate.py's):
+    its name, the batcher, and why continuous batching was not used when it was asked for."""
+    engine = translator.continuous_engine(schedule, limits.max_beam_size, "limits.max_beam_size")
+    if engine is not None:
+        batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
+        return "continuous", batcher, None
+    fallback = f"scheduler=continuous cannot run here: {translator.fallback}" if schedule.kind == "continuous" else None
     batcher = Batcher(translator.translate_batch, limits.max_batch_tokens, limits.max_wait_ms / 1000, limits.max_queue, metrics.batch)  # fmt: skip
-    return "request", batcher, fallback
-
-
-def check_pool(engine: Engine, source_tokens: int, limits: ServeLimits) -> None:
-    """The pool must hold the longest sentence a request may send at the largest beam it may ask
-    for, so that a request never fails for want of blocks (it waits for them)."""
-    problem = engine.pool_too_small(source_tokens, limits.max_beam_size, "limits.max_beam_size", "limits.pool_mib", limits.pool_mib)  # fmt: skip
-    if problem:
-        raise ConfigError(problem)
+    return "batch", batcher, fallback
 
 
 def translate_response(translator: Translator, req: TranslateRequest, answer: Answer, arrived: float) -> dict:

@@ -1,13 +1,11 @@
 """The server's limits, `limits.*` in serve.py: what one request may ask, how long the queue may
-grow, how requests are merged into decoding batches (the scheduler and its key/value pool). Every
-value is checked when built."""
+grow, how requests are merged into decoding batches. (The scheduler and its key/value pool are
+`scheduler.*`, SchedulerConfig, as in translate.py.) Every value is checked when built."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-SCHEDULERS = ("continuous", "request")
 
 
 @dataclass
@@ -19,16 +17,9 @@ class ServeLimits:
     max_wait_ms: float = 5.0  # how long the oldest waiting request waits for others to join its batch
     max_beam_size: int = 8  # a request's beam_size (and so its n_best) at most this
     max_length_penalty: float = 5.0  # a request's length_penalty in [0, this]
-    scheduler: str = "request"  # whole requests merged into batches; "continuous": sentences join every step
-    pool_mib: float = 256.0  # continuous: the key/value pool, allocated at start; sentences wait when it is full
-    block_size: int = 16  # continuous: positions per block of the pool
 
     def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"limits.scheduler={self.scheduler!r} is not one of {SCHEDULERS}")
-        if not 0 < self.pool_mib < math.inf:
-            raise ValueError(f"limits.pool_mib={self.pool_mib} must be > 0 and finite")
-        for key in ("max_lines", "max_chars", "max_queue", "max_batch_tokens", "max_beam_size", "block_size"):
+        for key in ("max_lines", "max_chars", "max_queue", "max_batch_tokens", "max_beam_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"limits.{key}={getattr(self, key)} must be >= 1")
         for key in ("max_wait_ms", "max_length_penalty"):

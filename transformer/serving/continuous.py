@@ -1,4 +1,4 @@
-"""The continuous scheduler (limits.scheduler=continuous): requests hand their sentences to the
+"""The continuous scheduler (scheduler=continuous): requests hand their sentences to the
 step-level engine (decoding/engine.py) that a worker thread runs off the event loop. A request's sentences
 join the running batch at the next step, each leaves as soon as it ends, and the request is
 answered when its last one has. The request-level Batcher (batcher.py) offers the same methods,
@@ -38,8 +38,8 @@ class ContinuousBatcher(DecodingThread):
     """The engine and the requests on their way in; `on_step(sentences)` is called after each
     decoding step with the sentences it ran, `on_done(sentences)` when a request is answered."""
 
-    def __init__(self, engine: Engine, eos_id: int, max_new_tokens: int, max_queue: int, on_step=None, on_done=None):
-        self.engine, self.eos_id, self.max_new_tokens = engine, eos_id, max_new_tokens
+    def __init__(self, engine: Engine, eos_id: int, join_tokens: int, max_queue: int, on_step=None, on_done=None):
+        self.engine, self.eos_id, self.join_tokens = engine, eos_id, join_tokens
         self.on_step: Callable[[int], None] = on_step or (lambda sentences: None)
         self.on_done: Callable[[int], None] = on_done or (lambda sentences: None)
         self.incoming: list[Request] = []
@@ -69,7 +69,7 @@ class ContinuousBatcher(DecodingThread):
             for request in incoming:
                 self.hand_over(request)
             try:
-                running = self.engine.step(self.max_new_tokens)
+                running = self.engine.step(self.join_tokens)
             except AdmissionFailed as e:  # the joining sentences fail; the batch runs on
                 self.fail({id(s.request): s.request for s in e.sentences}.values(), e.error)
                 continue
