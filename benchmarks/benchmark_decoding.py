@@ -12,7 +12,7 @@ against Hugging Face transformers' `generate` at the same model size.
 2. Peers (if transformers is installed): for each preset (small, base) ours and MarianMTModel, both
    with random weights of the same dimensions, decode the same `peer_sentences` sources in one
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
-   decode.min_len / max_len; HF's min_new_tokens / join_tokens), so both do the same work.
+   decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
    On a GPU, and where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run
    under bf16 autocast (our decode.precision=bf16). On a GPU each is run once untimed first.
    In fp32 `ours-blas` is ours with runtime.onednn_linear=false (torch's BLAS, as HF uses) and
@@ -118,7 +118,7 @@ PRESETS = {"small": (3, 256, 4, 1024), "base": (6, 512, 8, 2048)}  # layers per 
 def hf_generate(model, src: torch.Tensor, beams: int, new_tokens: int) -> torch.Tensor:
     return model.generate(
         input_ids=src, attention_mask=src != 0, num_beams=beams, do_sample=False,
-        join_tokens=new_tokens, min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens,
     )  # fmt: skip
 
 

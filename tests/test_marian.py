@@ -186,7 +186,7 @@ def test_search_matches_hugging_face_generate(marian, beam):
     ids, attention = batch_of(tokenizer, [s + [tokenizer.eos_id] for s in sources], tokenizer.pad_id)
     with torch.no_grad():
         out = hf_model.generate(
-            input_ids=ids, attention_mask=attention, num_beams=beam, do_sample=False, join_tokens=MAX_NEW,
+            input_ids=ids, attention_mask=attention, num_beams=beam, do_sample=False, max_new_tokens=MAX_NEW,
             length_penalty=0.0, early_stopping=False, bad_words_ids=[[tokenizer.pad_id]], num_return_sequences=1,
         )  # fmt: skip
     theirs = [[t for t in row[1:] if t != tokenizer.pad_id] for row in out.tolist()]
@@ -237,7 +237,7 @@ def test_imported_checkpoint_translates_as_hugging_face(marian, imported, tmp_pa
     assert result.returncode == 0, result.stderr[-2000:]
     batch = hf_tokenizer(sentences, return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = hf_model.generate(**batch, num_beams=1, do_sample=False, join_tokens=MAX_NEW, bad_words_ids=[[tokenizer.pad_id]])  # fmt: skip
+        out = hf_model.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=MAX_NEW, bad_words_ids=[[tokenizer.pad_id]])  # fmt: skip
     assert result.stdout.splitlines() == hf_tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
@@ -353,7 +353,7 @@ def test_a_multilingual_model_imports_and_translates_into_each_language_as_huggi
         batch = hf_tokenizer([f"{tag} {s}" for s in sentences], return_tensors="pt", padding=True)
         assert (batch["input_ids"][:, 0] == tokenizer.target_tags[tag[2:-2]]).all()
         with torch.no_grad():
-            out = hf_model.generate(**batch, num_beams=4, do_sample=False, join_tokens=MAX_NEW, length_penalty=0.0,
+            out = hf_model.generate(**batch, num_beams=4, do_sample=False, max_new_tokens=MAX_NEW, length_penalty=0.0,
                                     early_stopping=False, bad_words_ids=[[tokenizer.pad_id]])  # fmt: skip
         assert result.stdout.splitlines() == hf_tokenizer.batch_decode(out, skip_special_tokens=True), tag
     result = run(["translate.py", f"checkpoint={output}", f"input={tmp_path / 'in.de'}"])
