@@ -26,6 +26,8 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     decode.temperature / decode.top_k / decode.top_p / decode.seed   for sampling
     prefix=true                input lines are source<TAB>prefix: each translation starts with its prefix
     constraints=true           input lines are source<TAB>phrase<TAB>...: each translation contains the phrases
+    score=true                 input lines are source<TAB>translation: writes each translation's log-probability
+                               given its source (tokens and EOS, summed), as Marian's scorer
     decode.alignment=true      translation <TAB> its word alignment, i-j pairs (source word i, output word j)
     tgt_lang=fr                a many-to-many model's target language (data.directions); a source
                                language need not be named
@@ -49,6 +51,7 @@ from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
 from transformer.decoding import DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
 from transformer.decoding.config import SchedulerConfig
+from transformer.decoding.inputs import encode_prefixes
 from transformer.errors import exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
@@ -71,6 +74,7 @@ class TranslateConfig:
     interactive: bool = False
     prefix: bool = False  # input lines are source<TAB>prefix (transformer/decoding/inputs.py)
     constraints: bool = False  # input lines are source<TAB>phrase<TAB>phrase... (beam search only)
+    score: bool = False  # input lines are source<TAB>translation: write each translation's log-probability
     scheduler: SchedulerConfig = field(
         default_factory=SchedulerConfig
     )  # scheduler=continuous: lines join the running batch step by step (decoding/stream.py)
@@ -86,6 +90,10 @@ class TranslateConfig:
             raise ValueError("scheduler=continuous reads each line as it arrives: it cannot be used with chunk_lines=")
         if self.prefix and self.constraints:
             raise ValueError("prefix=true and constraints=true read different lines: choose one")
+        if self.score:
+            for key in ("prefix", "constraints", "pivot", "decode.alignment"):
+                if self.decode.alignment if key == "decode.alignment" else getattr(self, key):
+                    raise ValueError(f"score=true scores given translations: it cannot be used with {key}=")
         if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
             raise ValueError(f"pivot={self.pivot} needs tgt_lang= naming another language to translate into")
         if self.pivot is not None and self.decode.alignment:
@@ -136,6 +144,8 @@ def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int =
 def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[str], bar, name: str, count: int) -> list[str]:  # fmt: skip
     """The output lines of one chunk of input lines, the first of them line count + 1 of `name`."""
     first = count + 1
+    if cfg.score:
+        return score_lines(cfg, translator, lines, bar, name, first)
     lines, prefixes = split_prefixes(lines, name, first) if cfg.prefix else (lines, None)
     lines, constraints = split_constraints(lines, name, first) if cfg.constraints else (lines, None)
     if cfg.pivot is not None:  # the pivot translations are the sources of the second leg
@@ -143,6 +153,23 @@ def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[st
     n_best = translator.translate_texts(lines, None, bar, name, first, prefixes, constraints, cfg.tgt_lang)
     alignments = translator.align(lines, n_best) if cfg.decode.alignment else None
     return output_lines(n_best, translator.tokenizer, cfg.decode.n_best, count, alignments)
+
+
+def score_lines(cfg: TranslateConfig, translator: Translator, lines: list[str], bar, name: str, first: int) -> list[str]:  # fmt: skip
+    """score=true: for each source<TAB>translation line, the translation's log-probability given
+    its source (its tokens' and its EOS's, summed; what Marian's scorer writes), to 4 decimals."""
+    sources, targets = split_prefixes(lines, name, first, second="translation")
+    limit = translator.model.cfg.max_positions - 1
+    tag = translator.target_tag(cfg.tgt_lang)
+    source_ids = encode_sources(sources, translator.tokenizer, translator.max_source_tokens, name, first, tag)
+    target_ids = encode_prefixes(targets, translator.tokenizer, limit, name, first)
+    todo = [i for i, line in enumerate(lines) if line]  # an empty line gets an empty line
+    log_probs = translator.score_ids([source_ids[i] for i in todo], [target_ids[i] for i in todo])
+    out = [""] * len(lines)
+    for i, lp in zip(todo, log_probs):
+        out[i] = f"{sum(lp):.4f}"
+    bar.update(len(lines))
+    return out
 
 
 def plain_lines_only(cfg: TranslateConfig) -> str | None:

@@ -146,6 +146,19 @@ class Translator:
         with self.lock:
             return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints)  # fmt: skip
 
+    def score_ids(self, sources: list[list[int]], targets: list[list[int]], settings=None) -> list[list[float]]:
+        """Each target's log-probability per token, its EOS last, given its source, in input order
+        (decoding/corpus.py: score_ids; CTranslate2's score_batch). A pair's score is the sum."""
+        with self.lock:
+            return decoding.score_ids(self.model, sources, targets, self.tokenizer, self.chosen(settings), self.device)
+
+    def score(self, sources: list[str], targets: list[str], tgt_lang: str | None = None) -> list[list[float]]:
+        """score_ids of texts: each target text's log-probability per token, given its source text."""
+        target_ids = self.tokenizer.encode(targets)
+        return self.score_ids(
+            self.encode(sources, tgt_lang), [t[: self.model.cfg.max_positions - 2] for t in target_ids]
+        )
+
     def translate_texts(self, texts: list[str], settings=None, progress=None, source_name="input", first_line=1, prefixes=None, constraints=None, tgt_lang=None):  # fmt: skip
         """n-best lists of texts in input order; an empty text gets empty hypotheses. Warnings name
         texts[0] as line `first_line` of source_name. prefixes / constraints: decoding/inputs.py.

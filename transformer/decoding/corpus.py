@@ -1,7 +1,7 @@
 """Translating a corpus apart from the search: sentences in length-sorted batches of about
 decode.max_tokens source tokens, each batch searched with the configured strategy (strategies.py)
 under the configured precision, n-best lists back in input order and reranked by MBR when asked;
-texts in, texts out."""
+texts in, texts out; and scoring given translations (`score_ids`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..data.batching import TokenizedCorpus, pad, token_batches
 from ..devices import autocast_dtype
+from ..model import padding_mask
 from .config import DecodeConfig
 from .constrained import constrained_beam_search
 from .inputs import encode_constraints, encode_prefixes
@@ -72,6 +73,30 @@ def translate_ids(
     if cfg.mbr != "none":
         texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in out]
         out = [hyps[: cfg.n_best] for hyps in rerank(out, texts, cfg.mbr, cfg.mbr_weights)]
+    return out
+
+
+@torch.no_grad()
+def score_ids(model, sources: list[list[int]], targets: list[list[int]], tokenizer, cfg: DecodeConfig, device) -> list[list[float]]:  # fmt: skip
+    """Each target's log-probability token by token, its EOS last, given its source (teacher
+    forcing: what CTranslate2's score_batch and Marian's scorer give), in input order. Batches of
+    about decode.max_tokens source and target tokens, sorted by length, under decode.precision;
+    the log-probabilities are fp32. Ensembles score with their mean distribution."""
+    lengths = np.array([len(s) + len(t) + 2 for s, t in zip(sources, targets)], dtype=np.int64)
+    out: list[list[float]] = [[] for _ in sources]
+    device = torch.device(device)
+    amp = None if cfg.precision == "int8" else autocast_dtype(cfg.precision, device)
+    for indices in token_batches(lengths, cfg.max_tokens):
+        src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
+        given = pad([[tokenizer.bos_id] + targets[i] for i in indices], tokenizer.pad_id).to(device)
+        gold = pad([targets[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
+        src_mask = padding_mask(src, tokenizer.pad_id)
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            memory, _ = model.encode(src, src_mask)
+            logits, _ = model.decode(given, memory, src_mask, model.new_state())
+        lprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, gold[..., None]).squeeze(-1)
+        for row, i in enumerate(indices):
+            out[i] = lprobs[row, : len(targets[i]) + 1].tolist()
     return out
 
 

@@ -12,16 +12,16 @@ if TYPE_CHECKING:
     from .config import DecodeConfig
 
 
-def split_prefixes(lines: list[str], source_name: str, first_line: int = 1) -> tuple[list[str], list[str]]:
-    """`source<TAB>prefix` lines -> (sources, prefixes). An empty line stays an empty source (and
-    an empty translation); any other line needs exactly one TAB with a source before it, or it is
-    a DataError naming its line."""
+def split_prefixes(lines: list[str], source_name: str, first_line: int = 1, second: str = "prefix") -> tuple[list[str], list[str]]:  # fmt: skip
+    """`source<TAB>prefix` lines -> (sources, prefixes) (or source<TAB>`second`, e.g. a translation
+    to score). An empty line stays an empty source (and an empty translation); any other line
+    needs exactly one TAB with a source before it, or it is a DataError naming its line."""
     sources, prefixes = [], []
     for number, line in enumerate(lines, first_line):
         fields = line.split("\t") if line else ["", ""]
         if line and (len(fields) != 2 or not fields[0].strip()):
             problem = "an empty source" if len(fields) == 2 else f"{len(fields) - 1} TABs"
-            raise DataError(f"{source_name}:{number}: expected source<TAB>prefix, found {problem}")
+            raise DataError(f"{source_name}:{number}: expected source<TAB>{second}, found {problem}")
         sources.append(fields[0].strip())
         prefixes.append(fields[1].strip())
     return sources, prefixes
