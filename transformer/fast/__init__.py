@@ -1,13 +1,16 @@
-"""The speed paths: each fast class replaces one reference class of the model (transformer/model/transformer.py,
-transformer/model/attention.py, transformer/model/blocks.py) with a subclass that computes the same thing
-faster, and is tested against it (tests/test_fast.py).
+"""The speed paths: each fast class replaces one reference class of the model (transformer/model/:
+transformer.py, attention.py, blocks.py) with a subclass that computes the same thing faster, and
+is tested against it (tests/test_fast.py). Caches are objects the decoding state makes
+(FastTransformer.new_state), not steps of a class.
 
     linear.py     FastLinear: nn.Linear on oneDNN for CPU fp32, weights packed for inference
-    attention.py  FastMultiHeadAttention: attention kernels, in-place caches, fp32 cross-attention cache
+    attention.py  FastMultiHeadAttention: attention kernels (fp32 attention to an fp32 cache under bf16)
     model.py      FastTransformer (length-grouped encoding, packed output layer, chunked loss),
                   FastDecoderLayer (folded beams), FastFeedForward, FastRotary
     dropout.py    FastDropout: masks drawn cheaply on a CPU
-    cache.py      key/value caches that grow in place and reorder only the rows that move
+    cache.py      FastKeyValueCache: caches that grow in place and reorder only the rows that move;
+                  the encoder's keys and values contiguous (fp32 under bf16, runtime.fp32_cross)
+    paged.py      the paged cache the continuous engine decodes on (PagedState, block pool)
     encoding.py   encoding in groups of similar length at CPU inference
     loss.py       the output layer and its loss in chunks, without the full logits
     int8.py       int8 linear layers for CPU decoding (decode.precision=int8)
