@@ -50,8 +50,12 @@ class RuntimeConfig:
         """What this runtime chooses on this CPU, and why: one line for the log."""
         auto = "bf16" if cpu_has_bf16_matmul() else "fp32 (no usable bf16 matrix instructions)"
         if not self.fast:
-            return f"runtime=reference: the model as written, no speed paths; precision=auto: {auto} | {describe_cpu()}"
+            return (
+                "runtime=reference: the model as written, no speed paths; decoding caches: KeyValueCache "
+                f"(torch.cat); precision=auto: {auto} | {describe_cpu()}"
+            )
         return (
-            f"runtime=fast: {self.linear_paths()}; "
+            f"runtime=fast: {self.linear_paths()}; attention: fast_attention; decoding caches: FastKeyValueCache "
+            "(grown in place; a paged pool under scheduler=continuous); "
             f"chunked loss {'on' if self.chunked_loss else 'off'}; precision=auto: {auto} | {describe_cpu()}"
         )
