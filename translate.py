@@ -181,21 +181,15 @@ def plain_lines_only(cfg: TranslateConfig) -> str | None:
 
 
 def translate_continuous(cfg: TranslateConfig, translator: Translator, engine, bar, name: str, write) -> int:
-    """scheduler=continuous: every input line through the step-level engine; returns the line count."""
-    from transformer.decoding.stream import translate_stream
-
-    settings = translator.decode
-    tag, tokenizer = translator.target_tag(cfg.tgt_lang), translator.tokenizer
-
-    def encode(text: str, index: int) -> list[int]:
-        return encode_sources([text], tokenizer, translator.max_source_tokens, name, index + 1, tag)[0]
+    """scheduler=continuous: every input line through Translator.translate_stream on the
+    step-level engine; returns the line count."""
 
     def write_line(index: int, n_best: list[Hypothesis]) -> None:
-        write(output_lines([n_best], tokenizer, settings.n_best, index))
+        write(output_lines([n_best], translator.tokenizer, translator.decode.n_best, index))
         bar.update(1)
 
     lines = (line for chunk in input_chunks(cfg, size=1) for line in chunk)
-    return translate_stream(engine, lines, encode, write_line, settings, tokenizer.eos_id)
+    return translator.translate_stream(lines, write_line, cfg.scheduler, cfg.tgt_lang, name, engine=engine)
 
 
 def main(argv: list[str]) -> None:

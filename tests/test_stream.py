@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from transformer.decoding import DecodeConfig
+from transformer.decoding import DecodeConfig, Ensemble
+from transformer.decoding.config import SchedulerConfig
 from transformer.decoding.engine import Engine
 from transformer.decoding.stream import translate_stream
 from transformer.errors import DataError
@@ -76,6 +77,29 @@ def test_lines_arriving_mid_batch_join_it_and_get_translate_ids_translations_in_
     nonempty_first = set(range(5))  # the engine numbers the 5 nonempty lines of the first half 0..4
     assert any(lines & nonempty_first and lines - nonempty_first for lines in running), running
     assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+
+
+@pytest.mark.parametrize("kind", ["batch", "continuous"])
+def test_the_translators_stream_writes_translate_batchs_translations_in_order(corpus, kind):
+    """Translator.translate_stream over a generator, on the engine or in chunks (3 lines, so several
+    of them): every line's n-best list in input order, as translate_batch gives it; an ensemble
+    under scheduler=continuous falls back to chunks and says why."""
+    model, tokenizer = trained_model(corpus, {}, steps=60)
+    accelerate(model, RuntimeConfig())
+    settings = DecodeConfig(strategy="beam", beam_size=3, n_best=2)
+    translator = Translator(model, tokenizer, "cpu", settings)
+    texts = corpus[0][:8]
+    texts[2] = ""
+    expected = translator.translate_batch(translator.encode(texts), settings)
+    written = []
+    schedule = SchedulerConfig(kind=kind, pool_mib=1, block_size=4)
+    count = translator.translate_stream((t for t in texts), lambda i, n: written.append((i, n)), schedule, chunk_lines=3)  # fmt: skip
+    assert count == len(texts) and [i for i, _ in written] == list(range(len(texts)))
+    assert [[h.tokens for h in n] for _, n in written] == [[h.tokens for h in n] for n in expected]
+    assert translator.fallback is None
+    ensemble = Translator(Ensemble([model, model]), tokenizer, "cpu", settings)
+    assert ensemble.translate_stream(iter(texts[:2]), lambda i, n: None, schedule) == 2
+    assert (ensemble.fallback is not None) == (kind == "continuous")
 
 
 def test_an_error_while_reading_reaches_the_caller(corpus):

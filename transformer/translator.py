@@ -7,14 +7,18 @@ added here reaches all of them.
 
     translator = Translator.load("checkpoint_best.pt", decode=DecodeConfig(precision="int8"))
     translator.translate(["Ein Hund läuft."])            # -> ["A dog is running."]
+    translator.score(["Ein Hund läuft."], ["A dog is running."])   # log-probability per token
+    translator.translate_stream(lines, write, SchedulerConfig(kind="continuous"))  # in order, as they end
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +30,7 @@ from .decoding.alignment import align_translations
 from .decoding.config import SchedulerConfig
 from .decoding.engine import Engine, unsupported_settings
 from .decoding.strategies import empty_n_best
+from .decoding.stream import translate_stream
 from .devices import pick_device
 from .errors import ConfigError
 from .fast import accelerate, paged
@@ -208,6 +213,35 @@ class Translator:
             pool.n_blocks, pool.block_size, engine.mib(pool.n_blocks),
         )  # fmt: skip
         return engine
+
+    def translate_stream(self, lines: Iterable[str], write: Callable[[int, list[Hypothesis]], None], scheduler: SchedulerConfig | None = None, tgt_lang: str | None = None, source_name: str = "input", chunk_lines: int = 2000, engine: Engine | None = None) -> int:  # fmt: skip
+        """Translate each line of `lines` (any iterable: a file, a pipe, a generator) and hand its
+        n-best list to write(index, n_best) in input order; returns the number of lines.
+
+        scheduler=continuous: each line joins the running batch of the step-level engine as soon as
+        it is read and is written as soon as it and every line before it have ended (where the
+        engine cannot run this model or these settings: a warning and batches). batch: chunks of
+        `chunk_lines` lines, each translated in length-sorted batches and written before the next
+        is read. Memory stays bounded either way, whatever the length of `lines`. `engine`: one
+        made by `continuous_engine` already, to decode on."""
+        scheduler = scheduler or SchedulerConfig()
+        engine = engine or self.continuous_engine(scheduler, self.decode.beam_size, "decode.beam_size")
+        tag = self.target_tag(tgt_lang)
+        if engine is not None:
+
+            def encode(text: str, index: int) -> list[int]:
+                return encode_sources([text], self.tokenizer, self.max_source_tokens, source_name, index + 1, tag)[0]
+
+            with self.lock:
+                return translate_stream(engine, lines, encode, write, self.decode, self.tokenizer.eos_id)
+        count, lines = 0, iter(lines)
+        while chunk := list(itertools.islice(lines, chunk_lines)):
+            for i, n_best in enumerate(
+                self.translate_texts(chunk, None, None, source_name, count + 1, tgt_lang=tgt_lang)
+            ):
+                write(count + i, n_best)
+            count += len(chunk)
+        return count
 
     # ---- what the server asks of a model
 
