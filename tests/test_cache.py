@@ -3,7 +3,7 @@
 import torch
 
 from transformer.fast.cache import FastKeyValueCache, GrowingCache
-from transformer.model.attention import KeyValueCache
+from transformer.model.cache import KeyValueCache
 
 
 def test_growing_cache_matches_cat_and_index_select_through_growth_and_reorders():

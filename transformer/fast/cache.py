@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..model.attention import KeyValueCache
+from ..model.cache import KeyValueCache
 
 
 class GrowingCache:

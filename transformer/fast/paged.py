@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..model import DecoderState, LayerCache
-from ..model.attention import KeyValueCache
+from ..model.cache import KeyValueCache
 
 
 class PoolExhausted(RuntimeError):

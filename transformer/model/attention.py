@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .blocks import rows_at
+from .cache import KeyValueCache, consecutive_rows
 
 
 def expand_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,63 +73,6 @@ class Rotary(nn.Module):
         (d_head / 2 per position, broadcast over x's leading dimensions)."""
         x1, x2 = x[..., 0::2], x[..., 1::2]  # the pairs (x_2i, x_2i+1)
         return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
-
-
-def consecutive_rows(rows: int, sentences: int, device) -> Tensor:
-    """(rows,) the sentence of each decoder row when each sentence's rows are consecutive and as
-    many for each (beam search's k beams): 0, 0, ..., 1, 1, ..."""
-    return torch.arange(sentences, device=device).repeat_interleave(rows // sentences)
-
-
-class KeyValueCache:
-    """What one attention layer keeps between decoding steps, batch first: the keys and values
-    (batch, kv_heads, length, head_size) of the tokens so far (self-attention, `append`) or of
-    the encoder output (cross-attention, `store`), and a variant's own tensors (`extra`).
-
-    This is the reference: it joins each step's keys and values to the earlier ones with
-    torch.cat. The caches of transformer/fast/ keep the same contents in buffers that grow in
-    place, or in the blocks of a shared pool (paged); attention sees only these methods."""
-
-    def __init__(self):
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.extra: dict[str, Tensor] = {}  # e.g. DCMHA's key weights, (batch, length, features)
-
-    def positions(self) -> int | Tensor:
-        """The position of the next token: one for every row, or a (batch,) tensor of each row's."""
-        return 0 if self.k is None else self.k.size(2)
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """This step's keys and values after the earlier ones. Returns the keys and values to
-        attend to, and None, or a mask (True: attend) over their slots where some are not tokens."""
-        if self.k is not None:
-            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
-        self.k, self.v = k, v
-        return k, v, None
-
-    def memory(self) -> tuple[Tensor, Tensor] | None:
-        """The stored keys and values of the encoder output, one row per sentence; None before `store`."""
-        return None if self.k is None else (self.k, self.v)
-
-    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Keep the encoder output's keys and values for the later steps; returns them as kept."""
-        self.k, self.v = k, v
-        return k, v
-
-    def sentence_rows(self, rows: int, sentences: int) -> Tensor:
-        """(rows,) the sentence (row of `memory`) each of `rows` decoder rows reads."""
-        return consecutive_rows(rows, sentences, self.k.device)
-
-    def folding(self, rows: int, sentences: int) -> tuple[Tensor | None, int]:
-        """The same, as a grid of `sentences` x width places for a fast path that folds each
-        sentence's rows into one query: (None, width) when the rows are consecutive, `width` per
-        sentence, or ((rows,) each row's place in the grid, width)."""
-        return None, rows // sentences
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep the batch rows in `index`, in that order."""
-        self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
-        self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
 
 
 class MultiHeadAttention(nn.Module):

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KeyValueCache, MultiHeadAttention, Rotary, expand_kv_heads
+from .attention import MultiHeadAttention, Rotary, expand_kv_heads
+from .cache import KeyValueCache
 
 
 @dataclass

@@ -15,7 +15,6 @@ may attend to this key". Masks broadcast against attention scores of shape
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Optional
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import KeyValueCache, MultiHeadAttention, Rotary
+from .attention import MultiHeadAttention, Rotary
 from .attention_variants import AttentionConfig, build_attention
 from .blocks import (
     AddNorm,
@@ -37,6 +36,7 @@ from .blocks import (
     make_norm,
     word_dropout,
 )
+from .cache import DecoderState, KeyValueCache, LayerCache
 
 POSITIONAL_KINDS = ("sinusoidal", "learned", "rope")
 NORM_KINDS = ("layernorm", "rmsnorm")
@@ -200,53 +200,6 @@ class DecoderLayer(nn.Module):
 
 
 # --- Stacks and the model -----------------------------------------------------------------------
-
-
-@dataclass
-class LayerCache:
-    """One decoder layer's caches: its self-attention's and its cross-attention's."""
-
-    self: KeyValueCache
-    cross: KeyValueCache
-
-
-@dataclass
-class DecoderState:
-    """What incremental decoding keeps between steps: one LayerCache per decoder layer, made by
-    `new_cache` (the reference KeyValueCache; transformer/fast/ gives caches that grow in place
-    or live in a paged pool), and the number of target tokens decoded so far."""
-
-    layers: list[LayerCache] = field(default_factory=list)
-    length: int = 0  # target tokens already decoded; the next token's position
-    new_cache: Callable[[], KeyValueCache] = KeyValueCache
-
-    def start(self, n_layers: int) -> None:
-        """Make the layers' empty caches (at the first step)."""
-        self.layers = [LayerCache(self.new_cache(), self.new_cache()) for _ in range(n_layers)]
-
-    def positions(self) -> int | Tensor:
-        """The position of the next token: one int for every row, or (rows,) each row's own."""
-        return self.length
-
-    def advance(self, tokens: int) -> None:
-        self.length += tokens
-
-    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
-        """Keep the batch rows in `index` (in that order), e.g. the unfinished sentences.
-
-        sources: the rows to keep of the cross-attention caches, which hold one row per source
-        sentence; by default the same as index. (Beam search keeps one per sentence for its k
-        beams and passes the surviving sentences.)"""
-        for layer in self.layers:
-            layer.self.reorder(index)
-            if layer.cross.memory() is not None:
-                layer.cross.reorder(index if sources is None else sources)
-
-    def reorder_targets(self, index: Tensor) -> None:
-        """Keep the target rows in `index` (beam search moving hypotheses between the beams of one
-        sentence); the cross-attention caches, a function of the sources alone, stay as they are."""
-        for layer in self.layers:
-            layer.self.reorder(index)
 
 
 class Transformer(nn.Module):
