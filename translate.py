@@ -83,6 +83,11 @@ class TranslateConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
+    def line_options(self) -> list[str]:
+        """The options set that make a line more than a sentence to translate, or change its output."""
+        given = {"prefix": self.prefix, "constraints": self.constraints, "pivot": self.pivot, "decode.alignment": self.decode.alignment}  # fmt: skip
+        return [key for key, value in given.items() if value]
+
     def __post_init__(self) -> None:
         if self.chunk_lines is not None and self.chunk_lines < 1:
             raise ValueError(f"chunk_lines={self.chunk_lines} must be >= 1")
@@ -90,10 +95,8 @@ class TranslateConfig:
             raise ValueError("scheduler=continuous reads each line as it arrives: it cannot be used with chunk_lines=")
         if self.prefix and self.constraints:
             raise ValueError("prefix=true and constraints=true read different lines: choose one")
-        if self.score:
-            for key in ("prefix", "constraints", "pivot", "decode.alignment"):
-                if self.decode.alignment if key == "decode.alignment" else getattr(self, key):
-                    raise ValueError(f"score=true scores given translations: it cannot be used with {key}=")
+        if self.score and self.line_options():
+            raise ValueError(f"score=true scores given translations: it cannot be used with {self.line_options()[0]}=")
         if self.pivot is not None and (self.tgt_lang is None or self.pivot == self.tgt_lang):
             raise ValueError(f"pivot={self.pivot} needs tgt_lang= naming another language to translate into")
         if self.pivot is not None and self.decode.alignment:
@@ -174,10 +177,8 @@ def score_lines(cfg: TranslateConfig, translator: Translator, lines: list[str], 
 
 def plain_lines_only(cfg: TranslateConfig) -> str | None:
     """Why the continuous engine cannot translate these inputs (it takes plain lines), or None."""
-    for key in ("prefix", "constraints", "pivot", "decode.alignment"):
-        if cfg.decode.alignment if key == "decode.alignment" else getattr(cfg, key):
-            return f"it translates plain lines, not {key}="
-    return None
+    given = cfg.line_options() + (["score"] if cfg.score else [])
+    return f"it translates plain lines, not {given[0]}=" if given else None
 
 
 def translate_continuous(cfg: TranslateConfig, translator: Translator, engine, bar, name: str, write) -> int:

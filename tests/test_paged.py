@@ -111,7 +111,7 @@ def test_a_step_over_rows_at_different_positions_gives_the_reference_logits(vari
             write_slots=as_long(slots),
             self_slots=pool.slots([t for t, _, _ in rows], longest),
             self_lengths=as_long([pos + 1 for _, _, pos in rows]),
-            memory=paged.PagedMemory(pool, pool.slots(cross, 7), torch.float32),
+            memory=paged.PagedMemory(pool, pool.slots(cross, 7), lengths, torch.float32),
             fold=as_long(fold),
             width=width,
         )

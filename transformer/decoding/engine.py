@@ -101,8 +101,7 @@ class Engine:
         self.pool = BlockPool(n_blocks, block_size, layers, kv_heads, head_size, dtype, self.device)
         # The dtype cross-attention reads the encoder's keys and values in: the step's, or fp32
         # under bf16 on a CPU with runtime.fp32_cross, as the model's own caches keep them.
-        step_dtype = self.amp or dtype
-        self.cross_dtype = cross_dtype(getattr(model, "fp32_cross", False), torch.empty(0, dtype=step_dtype, device=self.device))  # fmt: skip
+        self.cross_dtype = cross_dtype(getattr(model, "fp32_cross", False), self.amp or dtype, self.device)
         self.memory: tuple[tuple, PagedMemory | None] = ((), None)  # the running sentences' (serials, memory)
         self.waiting: list[Sentence] = []
         self.running: list[Sentence] = []
@@ -291,9 +290,7 @@ class Engine:
         )
         bos = self.tokenizer.bos_id
         tokens = as_tensor([row.tokens[-1] if row.tokens else bos for row in rows])[:, None]
-        longest = max(len(s.ids) for s in self.running)
-        src_mask = torch.arange(longest, device=self.device) < as_tensor([len(s.ids) for s in self.running])[:, None]
-        logits, _ = self.model.decode(tokens, None, src_mask[:, None, None, :], state)
+        logits, _ = self.model.decode(tokens, None, state.memory.mask, state)
         return logits[:, 0]
 
     def running_memory(self) -> PagedMemory:
@@ -301,8 +298,9 @@ class Engine:
         sentences have changed."""
         serials = tuple(s.serial for s in self.running)
         if self.memory[0] != serials:
-            slots = self.pool.slots([s.cross for s in self.running], max(len(s.ids) for s in self.running))
-            self.memory = (serials, PagedMemory(self.pool, slots, self.cross_dtype))
+            lengths = [len(s.ids) for s in self.running]
+            slots = self.pool.slots([s.cross for s in self.running], max(lengths))
+            self.memory = (serials, PagedMemory(self.pool, slots, lengths, self.cross_dtype))
         return self.memory[1]
 
     # --- The search ----------------------------------------------------------------------------

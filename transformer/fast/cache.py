@@ -109,7 +109,7 @@ class FastKeyValueCache(KeyValueCache):
         # Contiguous, once: as views of the projections, the batched products of every later
         # step would copy them again to fold batch and heads together.
         # (`.to(memory_format=...)` would hand the view back unchanged when the dtype matches.)
-        dtype = cross_dtype(self.fp32_cross, k)
+        dtype = cross_dtype(self.fp32_cross, k.dtype, k.device)
         return super().store(k.to(dtype).contiguous(), v.to(dtype).contiguous())
 
     def reorder(self, index: Tensor) -> None:
@@ -121,7 +121,7 @@ class FastKeyValueCache(KeyValueCache):
         self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
 
 
-def cross_dtype(fp32_cross: bool, x: Tensor) -> torch.dtype:
-    """The dtype cross-attention keys and values are kept and attended in for an `x` of the step:
-    fp32 under bf16 on a CPU where runtime.fp32_cross asks for it, else x's."""
-    return torch.float32 if fp32_cross and x.dtype == torch.bfloat16 and x.is_cpu else x.dtype
+def cross_dtype(fp32_cross: bool, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype cross-attention keys and values are kept and attended in for a step computed in
+    `dtype` on `device`: fp32 under bf16 on a CPU where runtime.fp32_cross asks for it, else dtype."""
+    return torch.float32 if fp32_cross and dtype == torch.bfloat16 and device.type == "cpu" else dtype

@@ -153,24 +153,24 @@ def store_memory(model, pool: BlockPool, memory: Tensor, lengths: list[int], tab
     slots = torch.cat([pool.slots([t], n)[0] for t, n in zip(tables, lengths)])
     for i, layer in enumerate(model.decoder_layers):
         attn = layer.cross_attn
-        k, v, _ = attn.keys_values(
-            attn.w_k(memory), attn.w_v(memory), None, True
-        )  # (sentences, kv_heads, src_len, head_size)
+        k, v, _ = attn.keys_values(attn.w_k(memory), attn.w_v(memory), None, True)  # (sentences, kv_heads, src_len, head_size)  # fmt: skip
         for pooled, x in ((pool.keys[i], k), (pool.values[i], v)):
-            x = torch.cat([x[s, :, :n] for s, n in enumerate(lengths)], dim=1).transpose(
-                0, 1
-            )  # (slots, kv_heads, head_size)
-            pooled.index_copy_(0, slots, x.to(pooled.dtype))
+            tokens = torch.cat([x[s, :, :n] for s, n in enumerate(lengths)], dim=1)  # (kv_heads, slots, head_size)
+            pooled.index_copy_(0, slots, tokens.transpose(0, 1).to(pooled.dtype))
 
 
 class PagedMemory:
     """The encoder's keys and values of the sentences of a running batch, read from the pool once
-    for every layer and kept while the same sentences run in the same order (they never change)."""
+    for every layer and kept while the same sentences run in the same order (they never change),
+    and their padding mask (sentences, 1, 1, longest): slots (sentences, longest) hold `lengths`
+    tokens each."""
 
-    def __init__(self, pool: BlockPool, slots: Tensor, dtype: torch.dtype):
+    def __init__(self, pool: BlockPool, slots: Tensor, lengths: list[int], dtype: torch.dtype):
         index, sentences = pool.head_major(slots), slots.size(0)
         layers = pool.keys.size(0)
         self.layers = [tuple(t.to(dtype) for t in pool.gather(i, index, sentences)) for i in range(layers)]
+        filled = torch.tensor(lengths, device=slots.device)[:, None]
+        self.mask = (torch.arange(slots.size(1), device=slots.device) < filled)[:, None, None, :]
 
 
 class PagedMemoryCache(KeyValueCache):
