@@ -49,9 +49,8 @@ from typing import Optional
 from transformer.checkpoint import direction, language_pair
 from transformer.cli import file_language, parse_args, setup_logging
 from transformer.data import line_chunks
-from transformer.decoding import DecodeConfig, Hypothesis, encode_sources, split_constraints, split_prefixes
+from transformer.decoding import DecodeConfig, Hypothesis, split_constraints, split_prefixes
 from transformer.decoding.config import SchedulerConfig
-from transformer.decoding.inputs import encode_prefixes
 from transformer.errors import exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
@@ -162,15 +161,11 @@ def score_lines(cfg: TranslateConfig, translator: Translator, lines: list[str], 
     """score=true: for each source<TAB>translation line, the translation's log-probability given
     its source (its tokens' and its EOS's, summed; what Marian's scorer writes), to 4 decimals."""
     sources, targets = split_prefixes(lines, name, first, second="translation")
-    limit = translator.model.cfg.max_positions - 1
-    tag = translator.target_tag(cfg.tgt_lang)
-    source_ids = encode_sources(sources, translator.tokenizer, translator.max_source_tokens, name, first, tag)
-    target_ids = encode_prefixes(targets, translator.tokenizer, limit, name, first)
-    todo = [i for i, line in enumerate(lines) if line]  # an empty line gets an empty line
-    log_probs = translator.score_ids([source_ids[i] for i in todo], [target_ids[i] for i in todo])
+    log_probs = translator.score(sources, targets, cfg.tgt_lang, name, first)
     out = [""] * len(lines)
-    for i, lp in zip(todo, log_probs):
-        out[i] = f"{sum(lp):.4f}"
+    for i, lp in enumerate(log_probs):
+        if lines[i]:  # an empty line gets an empty line
+            out[i] = f"{sum(lp):.4f}"
     bar.update(len(lines))
     return out
 

@@ -9,6 +9,7 @@ import torch
 
 from transformer.decoding import DecodeConfig, Ensemble, translate_ids
 from transformer.decoding.corpus import score_ids
+from transformer.errors import DataError
 from transformer.fast import accelerate
 from transformer.runtime import RuntimeConfig
 
@@ -61,6 +62,8 @@ def test_translate_py_scores_each_line_and_names_a_bad_one(tmp_path):
     got = done.stdout.split("\n")[:3]
     expected = [sum(lp) for lp in translator.score(sources, translations)]
     assert got[1] == "" and [float(got[0]), float(got[2])] == pytest.approx(expected, abs=2e-4)
+    with pytest.raises(DataError, match="texts:2:"):  # too long to end within the model's positions
+        translator.score(["Ein Hund.", "Ein Hund."], ["A dog.", "A dog. " * 100], source_name="texts")
     bad = translate_py(f"checkpoint={path}", "score=true", stdin="Ein Hund.\n")
     assert bad.returncode != 0 and "stdin:1: expected source<TAB>translation" in bad.stderr
     assert "Traceback" not in bad.stderr

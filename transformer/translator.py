@@ -29,6 +29,7 @@ from .decoding import corpus as decoding
 from .decoding.alignment import align_translations
 from .decoding.config import SchedulerConfig
 from .decoding.engine import Engine, unsupported_settings
+from .decoding.inputs import encode_prefixes
 from .decoding.strategies import empty_n_best
 from .decoding.stream import translate_stream
 from .devices import pick_device
@@ -157,12 +158,15 @@ class Translator:
         with self.lock:
             return decoding.score_ids(self.model, sources, targets, self.tokenizer, self.chosen(settings), self.device)
 
-    def score(self, sources: list[str], targets: list[str], tgt_lang: str | None = None) -> list[list[float]]:
-        """score_ids of texts: each target text's log-probability per token, given its source text."""
-        target_ids = self.tokenizer.encode(targets)
-        return self.score_ids(
-            self.encode(sources, tgt_lang), [t[: self.model.cfg.max_positions - 2] for t in target_ids]
-        )
+    def score(self, sources: list[str], targets: list[str], tgt_lang: str | None = None, source_name: str = "input", first_line: int = 1) -> list[list[float]]:  # fmt: skip
+        """score_ids of texts: each target text's log-probability per token, given its source text.
+        A source too long for the model is truncated with a warning, as one to translate; a target
+        too long to end within the model's positions is a DataError naming its line (sources[0]
+        is line `first_line` of source_name)."""
+        tag = self.target_tag(tgt_lang)
+        source_ids = encode_sources(sources, self.tokenizer, self.max_source_tokens, source_name, first_line, tag)
+        target_ids = encode_prefixes(targets, self.tokenizer, self.model.cfg.max_positions - 1, source_name, first_line)
+        return self.score_ids(source_ids, target_ids)
 
     def translate_texts(self, texts: list[str], settings=None, progress=None, source_name="input", first_line=1, prefixes=None, constraints=None, tgt_lang=None):  # fmt: skip
         """n-best lists of texts in input order; an empty text gets empty hypotheses. Warnings name
