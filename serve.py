@@ -5,7 +5,7 @@
 
 Arguments (key=value and config groups, composed by Hydra from configs/ as for translate.py):
     checkpoint=PATH  ensemble=[PATH,...]  device=auto|cpu|cuda  runtime=fast|reference
-    decode=beam|greedy|sample, decode.*   decode.precision=int8 serves the int8 model (CPU)
+    decode=beam|greedy|sample, decode.*   runtime.precision=int8 serves the int8 model (CPU)
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
         sock = listen(cfg.host, cfg.port)
         translator, app = off_the_main_thread(prepare, cfg)
     host, port = sock.getsockname()[:2]
-    where = f"{translator.device}, decode.precision={cfg.decode.precision}, scheduler={app.state.service.scheduler}"
+    where = f"{translator.device}, runtime.precision={translator.precision}, scheduler={app.state.service.scheduler}"
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)
     run(app, sock, cfg.access_log, cfg.drain_seconds)
 

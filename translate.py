@@ -19,7 +19,7 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     device=auto|cpu|cuda
     runtime=fast|reference     reference: the model as written, without the speed paths
     decode=beam|greedy|sample  a decoding preset (configs/decode/); then decode.beam_size=5 etc.
-    decode.precision=fp32|bf16|fp16|auto|int8
+    runtime.precision=fp32|bf16|fp16|auto|int8
     decode.strategy=beam|greedy|sample   decode.beam_size=5   decode.length_penalty=0.6
     decode.n_best=N            N > 1 writes N lines per input: index <TAB> score <TAB> translation
     decode.max_tokens=8192     source tokens per batch

@@ -14,7 +14,7 @@ against Hugging Face transformers' `generate` at the same model size.
    batch, greedy and beam 5, each forced to generate exactly `new_tokens` tokens (our
    decode.min_len / max_len; HF's min_new_tokens / max_new_tokens), so both do the same work.
    On a GPU, and where the CPU has bf16 matrix instructions (AMX or AVX512-BF16), both also run
-   under bf16 autocast (our decode.precision=bf16). On a GPU each is run once untimed first.
+   under bf16 autocast (our runtime.precision=bf16). On a GPU each is run once untimed first.
    In fp32 `ours-blas` is ours with runtime.onednn_linear=false (torch's BLAS, as HF uses) and
    `ours-onednn` with runtime.onednn_linear=true (by default, oneDNN is used where AVX-512 runs);
    `ours-reference` is the reference model without any speed path (runtime=reference).
@@ -23,7 +23,7 @@ against Hugging Face transformers' `generate` at the same model size.
 3. CTranslate2 (if ctranslate2 is installed; ctranslate2=false skips it): for each preset, our
    random-weight model is exported (transformer/interop/export.py) and the same weights decode the same
    `peer_sentences` sources in one batch, forced to `new_tokens` steps, greedy and beam 5: ours in
-   fp32, bf16 (where the CPU has bf16 matrix instructions) and int8 (decode.precision=int8), and
+   fp32, bf16 (where the CPU has bf16 matrix instructions) and int8 (runtime.precision=int8), and
    CTranslate2 with compute_type float32, int8 and bfloat16 (where its CPU build offers it), all with the same
    threads; timed in turns as in part 2 and compared with CTranslate2 float32 (`vs ct2 fp32`)
    and, with peers and transformers, with HF generate in fp32 in the same turns (`vs hf fp32`).
@@ -164,18 +164,17 @@ def peer_rows(cfg: BenchConfig, tokenizer, sources: list[list[int]], device: tor
         for strategy, beams in (("greedy", 1), ("beam", 5)):
             label, hf_fp32 = "greedy" if beams == 1 else f"beam{beams}", None
             for precision in precisions:
-                forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9, precision=precision)  # fmt: skip
+                forced = DecodeConfig(strategy=strategy, beam_size=max(beams, 1), max_len_a=0.0, max_len_b=cfg.new_tokens, min_len=cfg.new_tokens - 1, max_tokens=10**9)  # fmt: skip
+                ours_in = partial(translate_ids, precision=precision)  # our decoders in this precision
                 runs = {
-                    "ours": partial(translate_ids, ours["ours"], sources, tokenizer, forced, device),
+                    "ours": partial(ours_in, ours["ours"], sources, tokenizer, forced, device),
                     hf_name: partial(hf_generate_in, precision, theirs, src, beams, cfg.new_tokens),
-                    "ours-reference": partial(
-                        translate_ids, ours["ours-reference"], sources, tokenizer, forced, device
-                    ),
+                    "ours-reference": partial(ours_in, ours["ours-reference"], sources, tokenizer, forced, device),
                 }
                 # the effect of transformer/fast/linear.py's oneDNN path (CPU fp32 only)
                 if precision == "fp32" and device.type == "cpu" and ONEDNN_AVAILABLE:
                     for name in ("ours-blas", "ours-onednn"):  # off and on; `ours` has the default's choice
-                        runs[name] = partial(translate_ids, ours[name], sources, tokenizer, forced, device)
+                        runs[name] = partial(ours_in, ours[name], sources, tokenizer, forced, device)
                 timings = race(runs, cfg.rounds, device)
                 seconds = {name: statistics.median(times) for name, (times, _) in timings.items()}
                 if precision == "fp32":
@@ -295,8 +294,8 @@ def ctranslate2_decoders(cfg: BenchConfig, model, tokenizer, sources, directory:
     int8 = quantize_int8(copy.deepcopy(model))
     runs = {"ours fp32": partial(translate_ids, model, sources, tokenizer, forced, "cpu")}
     if has_bf16:
-        runs["ours bf16"] = partial(translate_ids, model, sources, tokenizer, dataclasses.replace(forced, precision="bf16"), "cpu")  # fmt: skip
-    runs["ours int8"] = partial(translate_ids, int8, sources, tokenizer, dataclasses.replace(forced, precision="int8"), "cpu")  # fmt: skip
+        runs["ours bf16"] = partial(translate_ids, model, sources, tokenizer, forced, "cpu", precision="bf16")  # fmt: skip
+    runs["ours int8"] = partial(translate_ids, int8, sources, tokenizer, forced, "cpu", precision="int8")  # fmt: skip
     pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in sources]
     options = dict(beam_size=beams, max_decoding_length=cfg.new_tokens, min_decoding_length=cfg.new_tokens, length_penalty=0.0, max_batch_size=0)  # fmt: skip
     supported = ctranslate2.get_supported_compute_types("cpu")  # its CPU bfloat16 depends on the build and CPU

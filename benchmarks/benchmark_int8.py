@@ -1,4 +1,4 @@
-"""decode.precision=int8 against fp32 through translate.py, under each instruction-set setting.
+"""runtime.precision=int8 against fp32 through translate.py, under each instruction-set setting.
 
     python benchmarks/benchmark_int8.py checkpoint=PATH                      # every setting, test_2016_flickr, beam 5
     python benchmarks/benchmark_int8.py checkpoint=PATH isas=[native,avx2] rounds=3 split=val
@@ -54,13 +54,13 @@ def translate(cfg: Int8BenchConfig, isa: str, precision: str, source: Path, outp
     """(seconds, int8's start-up line or "") of one translate.py process."""
     env = {**os.environ, **ISA_LIMITS.get(isa, {})}
     command = [sys.executable, str(ROOT / "translate.py"), f"checkpoint={cfg.checkpoint}", f"input={source}",
-               f"output={output}", "device=cpu", f"decode.beam_size={cfg.beam_size}", f"decode.precision={precision}"]  # fmt: skip
+               f"output={output}", "device=cpu", f"decode.beam_size={cfg.beam_size}", f"runtime.precision={precision}"]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"translate.py ({isa}, {precision}) failed: {done.stderr.strip()[-2000:]}")
-    plan = next((line for line in done.stderr.splitlines() if "decode.precision=int8" in line), "")
+    plan = next((line for line in done.stderr.splitlines() if "runtime.precision=int8" in line), "")
     return seconds, plan
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
                         hypotheses = output.read_text(encoding="utf-8").splitlines()
                         bleu[precision] = sacrebleu.corpus_bleu(hypotheses, [references]).score
                 fp32, int8 = statistics.median(times["fp32"]), statistics.median(times["int8"])
-                plan = plan.split("decode.precision=int8: ", 1)[-1]
+                plan = plan.split("runtime.precision=int8: ", 1)[-1]
                 print(f"| {isa} | {fp32:.1f} | {int8:.1f} | {int8 / fp32:.2f} | {bleu['fp32']:.2f} | {bleu['int8']:.2f} | {plan} |", flush=True)  # fmt: skip
 
 

@@ -4,7 +4,7 @@ share of identical outputs, sacreBLEU of each, and decoding time, on one test sp
     python benchmarks/compare_exported.py checkpoint=outputs/de-en/RUN/checkpoint_best.pt sentences=500
 
 For greedy search and beam search (beam_size), it decodes the first `sentences` sentences of
-`split` with: ours in fp32 (the reference for the shares), ours with decode.precision=int8, and
+`split` with: ours in fp32 (the reference for the shares), ours with runtime.precision=int8, and
 the checkpoint exported float32 and run by CTranslate2 (compute_type float32, and int8) as its
 users run it: in a process of its own (its thread pool would slow torch's, and torch's its),
 all sentences in one translate_batch call that batches them itself (ct2_batch sentences a batch,
@@ -71,22 +71,20 @@ class CompareConfig:
 def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     """name -> function(sources, decode config) -> (seconds, token ids); the tokenizer; max_positions."""
     require_ctranslate2()  # a clear error before any work when it is missing
-    fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(precision=p)) for p in ("fp32", "int8"))
+    fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     tokenizer = fp32.tokenizer
     export(fp32.model, tokenizer, directory, "float32")
     threads = torch.get_num_threads()
     limit = fp32.model.cfg.max_positions
 
-    def ours(translator, precision):
-        return in_process(lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dataclasses.replace(dc, precision=precision))])  # fmt: skip
+    def ours(translator):
+        return in_process(lambda src, dc: [h[0].tokens for h in translator.translate_ids(src, dc)])
 
     def theirs(compute_type):
         return ChildCTranslate2(str(directory), compute_type, threads, tokenizer, limit, cfg.ct2_batch)
 
     def engine(translator):
-        continuous = Engine(
-            translator.model, tokenizer, translator.decode, "cpu", 256 << 20
-        )  # once: its pool is reused
+        continuous = Engine(translator.model, tokenizer, translator.decode, "cpu", 256 << 20, precision=translator.precision)  # fmt: skip
 
         def run(src, dc):
             settings = dataclasses.replace(dc, n_best=1)
@@ -99,11 +97,11 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
 
         return in_process(run)
 
-    runs = {"ours fp32": ours(fp32, "fp32")}
+    runs = {"ours fp32": ours(fp32)}
     if cfg.reference:
         reference = Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(), RuntimeConfig(fast=False))
-        runs["ours fp32 reference"] = ours(reference, "fp32")
-    runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8, "int8")}
+        runs["ours fp32 reference"] = ours(reference)
+    runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8)}
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     return runs, tokenizer, limit
 

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from transformer.config import Config, compose_command, register_schema, to_config
+from transformer.config import Config, compose_command, hydra_error_line, register_schema, to_config
 from transformer.decoding.config import SchedulerConfig
 from transformer.errors import ConfigError
 from transformer.model import ModelConfig
@@ -103,7 +103,7 @@ def test_value_of_the_wrong_type_is_refused_while_composing_by_name(override, ke
         ("trainer.precision=fp8", "trainer.precision"),
         ("trainer.schedule=constant", "trainer.schedule"),
         ("trainer.cooldown=2", "trainer.cooldown"),
-        ("decode.precision=fp8", "decode.precision"),
+        ("runtime.precision=fp8", "runtime.precision"),
     ],
 )
 def test_wrong_value_names_the_key(override, key):
@@ -176,3 +176,10 @@ def test_bad_key_or_value_in_a_yaml_file_is_one_error_line_naming_it(tmp_path, b
     (tmp_path / "experiment" / "bad.yaml").write_text("# @package _global_\n" + body)
     result = run("train.py", f"--config-dir={tmp_path}", "experiment=bad", f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(result, "In 'experiment/bad'", needle)
+
+
+def test_a_moved_key_is_refused_with_its_new_name():
+    with pytest.raises(ConfigCompositionException) as refused:
+        compose_config(["decode.precision=int8"])
+    assert "decode.precision is now runtime.precision" in hydra_error_line(refused.value)
+    assert to_config(compose_config(["runtime.precision=int8"])).runtime.precision == "int8"

@@ -150,8 +150,8 @@ def test_bf16_decoding_runs_the_products_in_bf16_and_scores_in_fp32():
     model, sents = make_model(), sources(6)
     dtypes = []
     model.decoder_layers[0].ffn.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
-    cfg = DecodeConfig(beam_size=3, n_best=2, precision="bf16")
-    n_best = translate_ids(model, sents, IDS, cfg, "cpu")
+    cfg = DecodeConfig(beam_size=3, n_best=2)
+    n_best = translate_ids(model, sents, IDS, cfg, "cpu", precision="bf16")
     assert dtypes and set(dtypes) == {torch.bfloat16}
     fp32 = translate_ids(model, sents, IDS, DecodeConfig(beam_size=3, n_best=2), "cpu")
     assert all(isinstance(h.score, float) and h.score <= 0 for hyps in n_best for h in hyps)
@@ -266,9 +266,9 @@ def test_the_translator_installs_the_runtime_and_precision_on_every_model_of_an_
     tokenizer = char_tokenizer()
     path = tmp_path / "model.pt"
     checkpoint.save(path, make_model(vocab_size=len(tokenizer)), tokenizer, train_config={}, step=1)
-    installed, runtime = [], RuntimeConfig(fast=False)
+    installed, runtime = [], RuntimeConfig(fast=False, precision="int8")
     monkeypatch.setattr(translator_module, "accelerate", lambda model, runtime, int8: installed.append((model, runtime, int8)) or model)  # fmt: skip
-    ensemble = Translator.load(path, [str(path)], "cpu", DecodeConfig(precision="int8"), runtime).model
+    ensemble = Translator.load(path, [str(path)], "cpu", DecodeConfig(), runtime).model
     assert [model for model, _, _ in installed] == ensemble.models
     assert all(r is runtime and int8 for _, r, int8 in installed)
 

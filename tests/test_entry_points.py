@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 import transformer.fast.int8
 from transformer.fast.int8 import Int8Linear, Int8Plan, exact_weight_levels
+from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
 from . import forked
@@ -54,7 +55,7 @@ def test_every_command_decodes_with_every_precision(name, precision, model_path,
     src, ref, out = tmp_path / "in.de", tmp_path / "ref.en", tmp_path / "out.en"
     src.write_text("\n".join(corpus_lines("de", 4, "val")) + "\n")
     ref.write_text("\n".join(corpus_lines("en", 4, "val")) + "\n")
-    args = [f"checkpoint={model_path}", *QUICK, f"decode.precision={precision}"]
+    args = [f"checkpoint={model_path}", *QUICK, f"runtime.precision={precision}"]
     if name == "translate":
         command(name).main([*args, f"input={src}", f"output={out}"])
     elif name == "evaluate":
@@ -68,9 +69,10 @@ def test_every_command_decodes_with_every_precision(name, precision, model_path,
         assert response.status_code == 200, response.text
         out.write_text("\n".join(response.json()["translations"]) + "\n")
     [translator] = loaded
-    assert translator.decode.precision == precision
+    assert translator.precision == precision
     assert (int8_layers(translator) > 0) == (precision == "int8")
-    expected = Translator.load(model_path, [], "cpu", translator.decode).translate(src.read_text().splitlines())
+    same = RuntimeConfig(precision=precision)
+    expected = Translator.load(model_path, [], "cpu", translator.decode, same).translate(src.read_text().splitlines())
     assert out.read_text().splitlines() == expected
 
 
@@ -88,18 +90,18 @@ def test_translate_takes_a_decode_preset_from_configs(model_path, loaded, tmp_pa
 def test_serve_with_int8_serves_the_int8_model_over_http(model_path):
     """...under both schedulers, with translate.py's int8 translations, and /health says so."""
     texts = corpus_lines("de", 3, "val")
-    expected = translate_py(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", stdin="".join(t + "\n" for t in texts))  # fmt: skip
+    expected = translate_py(f"checkpoint={model_path}", *QUICK, "runtime.precision=int8", stdin="".join(t + "\n" for t in texts))  # fmt: skip
     assert expected.returncode == 0, expected.stderr
     for scheduler in ("continuous", "batch"):
-        with Server(f"checkpoint={model_path}", *QUICK, "decode.precision=int8", f"scheduler={scheduler}") as server:  # fmt: skip
+        with Server(f"checkpoint={model_path}", *QUICK, "runtime.precision=int8", f"scheduler={scheduler}") as server:  # fmt: skip
             response = httpx.post(server.url + "/v1/translate", json={"text": texts}, timeout=60)
             health = httpx.get(server.url + "/health").json()
             log = "\n".join(server.log)
         assert response.status_code == 200
         assert response.json()["translations"] == expected.stdout.splitlines()
         assert (health["precision"], health["scheduler"]) == ("int8", scheduler)
-        assert "decode.precision=int8:" in log  # the quantizer's report of what it chose (fast/int8.py)
-        assert f"decode.precision=int8, scheduler={scheduler})" in log  # the serving line
+        assert "runtime.precision=int8:" in log  # the quantizer's report of what it chose (fast/int8.py)
+        assert f"runtime.precision=int8, scheduler={scheduler})" in log  # the serving line
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -149,7 +151,7 @@ def test_every_command_prints_its_config_groups_and_its_composed_config():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="int8 needs oneDNN")
 def test_training_decodes_its_test_splits_with_the_configured_precision(tmp_path, shared_corpus):
-    result = run("train.py", "experiment=smoke", f"hydra.run.dir={tmp_path}", f"data.dir={shared_corpus}", "data.vocab_size=300", "decode.precision=int8")  # fmt: skip
+    result = run("train.py", "experiment=smoke", f"hydra.run.dir={tmp_path}", f"data.dir={shared_corpus}", "data.vocab_size=300", "runtime.precision=int8")  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "decode.precision=int8:" in (tmp_path / "train.log").read_text() + result.stderr
+    assert "runtime.precision=int8:" in (tmp_path / "train.log").read_text() + result.stderr
     assert len((tmp_path / "test_2016_flickr.beam5.en").read_text().splitlines()) == 40

@@ -1,4 +1,4 @@
-"""int8 decoding (decode.precision=int8): each linear layer the start-up check finds exact and
+"""int8 decoding (runtime.precision=int8): each linear layer the start-up check finds exact and
 faster in int8 becomes an Int8Linear (fast/int8.py), whose rows do not depend on each other, and a
 briefly trained model predicts nearly as in fp32 through the real loading path."""
 
@@ -80,7 +80,7 @@ def assert_int8_agrees_with_fp32(fp32, int8, tokenizer, de: list[str], en: list[
     assert (expected.exp() * (expected - got)).sum(-1)[real].mean() < MEAN_KL  # KL(fp32 || int8) per token
     cfg = DecodeConfig(strategy="greedy")
     ours = translate_ids(fp32, sources, tokenizer, cfg, "cpu")
-    quantized = translate_ids(int8, sources, tokenizer, dataclasses.replace(cfg, precision="int8"), "cpu")
+    quantized = translate_ids(int8, sources, tokenizer, cfg, "cpu", precision="int8")
     gaps = [parting_gap(fp32, s, a[0].tokens, b[0].tokens, tokenizer) for s, a, b in zip(sources, ours, quantized)]
     assert max(gaps) <= NEAR_TIE, [f"sentence {i}: {gap:.3f}" for i, gap in enumerate(gaps) if gap > NEAR_TIE]
 
@@ -92,8 +92,7 @@ def test_int8_decoding_agrees_with_fp32(saved, fast):
     """With every linear layer in int8, through the real loading path: predictions agree with fp32
     within int8's rounding (assert_int8_agrees_with_fp32)."""
     path, (de, en) = saved
-    runtime = RuntimeConfig(fast=fast)
-    fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
+    fp32, int8 = (Translator.load(path, [], "cpu", runtime=RuntimeConfig(fast=fast, precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     assert not [m for m in int8.model.modules() if isinstance(m, nn.Linear)]  # every one quantized
     assert any(isinstance(m, Int8Linear) for m in int8.model.modules())
     assert_int8_agrees_with_fp32(fp32.model, int8.model, fp32.tokenizer, de, en)
@@ -108,12 +107,12 @@ def test_int8_loading_follows_the_start_up_check(saved, fast, caplog):
     path, (de, en) = saved
     runtime = RuntimeConfig(fast=fast)
     with caplog.at_level("INFO", logger="transformer.fast.int8"):
-        fp32, int8 = (Translator.load(path, [], "cpu", DecodeConfig(precision=p), runtime) for p in ("fp32", "int8"))
+        fp32, int8 = (Translator.load(path, [], "cpu", runtime=dataclasses.replace(runtime, precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     linear = {name: m for name, m in fp32.model.named_modules() if isinstance(m, nn.Linear)}
     onednn = runtime.fast and runtime.onednn_inference  # as accelerate passes it to quantize_int8
     shapes = sorted({(m.in_features, m.out_features) for m in linear.values()})
     plans = {shape: kernel_plan(onednn, shape) for shape in shapes}  # this process's decisions, cached
-    assert f"decode.precision=int8: {describe(plans)}" in caplog.text
+    assert f"runtime.precision=int8: {describe(plans)}" in caplog.text
     layers = dict(int8.model.named_modules())
     for name, m in linear.items():
         quantized = plans[m.in_features, m.out_features].weight_levels is not None
@@ -123,14 +122,15 @@ def test_int8_loading_follows_the_start_up_check(saved, fast, caplog):
 
 @pytest.mark.e2e
 def test_int8_is_refused_off_the_cpu(saved):
-    with pytest.raises(ConfigError, match="decode.precision=int8"):
-        Translator.load(saved[0], [], "cuda", DecodeConfig(precision="int8"))
+    with pytest.raises(ConfigError, match="runtime.precision=int8"):
+        Translator.load(saved[0], [], "cuda", runtime=RuntimeConfig(precision="int8"))
 
 
-def test_int8_is_a_decoding_precision_only():
-    assert DecodeConfig(precision="int8").precision == "int8"
-    with pytest.raises(ValueError, match="decode.precision"):
-        DecodeConfig(precision="int4")
+def test_int8_is_a_precision_chosen_at_load_time():
+    assert RuntimeConfig(precision="int8").precision == "int8"
+    with pytest.raises(ValueError, match="runtime.precision"):
+        RuntimeConfig(precision="int4")
+    assert not hasattr(DecodeConfig(), "precision")  # not a per-call setting
 
 
 def test_int8_rows_are_independent_and_close_to_fp32():

@@ -158,15 +158,16 @@ def test_sentences_joining_a_running_batch_get_translate_ids_translations(accele
 @pytest.mark.isa
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
 def test_bf16_continuous_batching_gets_the_corpus_decoders_bf16_translations(accelerated, corpus, strategy):
-    """Under decode.precision=bf16 with runtime.fp32_cross (the default) the corpus decoder attends
+    """Under runtime.precision=bf16 with runtime.fp32_cross (the default) the corpus decoder attends
     to the encoder's keys and values in fp32; the paged step must too, or its scores part from
     the corpus decoder's (and then its beams and translations)."""
     model, tokenizer = accelerated({})
-    settings = DecodeConfig(strategy=strategy, beam_size=4, n_best=2 if strategy == "beam" else 1, precision="bf16")
-    translator = Translator(model, tokenizer, "cpu", settings)
+    settings = DecodeConfig(strategy=strategy, beam_size=4, n_best=2 if strategy == "beam" else 1)
+    translator = Translator(model, tokenizer, "cpu", settings, precision="bf16")
     sources = translator.encode(corpus[0][:6])
     expected = translator.translate_ids(sources, settings)
-    got = run_engine(Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4), sources, settings)
+    engine = Engine(model, tokenizer, settings, "cpu", pool_bytes=1 << 20, block_size=4, precision="bf16")
+    got = run_engine(engine, sources, settings)
     assert [[h.tokens for h in hyps] for hyps in got] == [[h.tokens for h in hyps] for hyps in expected]
     for hyps, ref in zip(got, expected):
         assert [h.score for h in hyps] == pytest.approx([h.score for h in ref], abs=1e-4)

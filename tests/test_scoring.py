@@ -75,7 +75,7 @@ def test_scoring_under_bf16_keeps_fp32_log_probabilities():
     model = make_model()
     src = sources(4)
     targets = [[5, 6, 7], [8], [9, 10], []]
-    scored = score_ids(model, src, targets, Ids, DecodeConfig(precision="bf16"), "cpu")
+    scored = score_ids(model, src, targets, Ids, DecodeConfig(), "cpu", precision="bf16")
     fp32 = score_ids(model, src, targets, Ids, DecodeConfig(), "cpu")
     assert all(isinstance(x, float) for lp in scored for x in lp)
     for a, b in zip(scored, fp32):

@@ -73,6 +73,10 @@ def one_line(error: OmegaConfBaseException) -> str:
     return f"config key {key}: {message}" if key else message
 
 
+# Keys that moved, and where to: an override of the old name is refused with the new one named.
+MOVED_KEYS = {"decode.precision": "runtime.precision (chosen when the model loads)"}
+
+
 def hydra_error_line(e: HydraException) -> str:
     """One line for Hydra's own errors: an unknown config group or key, a malformed override, a
     value of the wrong type, a bad key or value in a YAML file (naming the file and key)."""
@@ -85,6 +89,7 @@ def hydra_error_line(e: HydraException) -> str:
     options = [line.strip() for line in lines if line.startswith("\t") and "provider=" not in line]
     detail = f" ({str(e.__cause__).strip().splitlines()[0]})" if e.__cause__ else ""
     detail += f"; available: {', '.join(options)}" if options else ""
+    detail += "".join(f"; {old} is now {new}" for old, new in MOVED_KEYS.items() if f"'{old}'" in first)
     return first + detail
 
 

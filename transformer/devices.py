@@ -107,7 +107,10 @@ def cpu_runs_avx512() -> bool:
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype matrix products run in under autocast; None means plain fp32."""
+    """The dtype matrix products run in under autocast; None means plain fp32 (and int8, a
+    decoding precision that lives in the model's layers, fast/int8.py)."""
+    if precision == "int8":
+        return None
     if precision == "auto":
         if device.type == "cuda":
             precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"

@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .devices import cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
+from .devices import PRECISIONS, cpu_has_bf16_matmul, cpu_runs_avx512, describe_cpu
+
+# What a loaded model decodes in (CTranslate2's compute_type): fp32, bf16 or fp16 autocast (auto:
+# bf16 on CPUs with bf16 matrix instructions and on GPUs), or int8 linear layers on a CPU (fast/int8.py).
+DECODE_PRECISIONS = (*PRECISIONS, "int8")
 
 
 @dataclass
@@ -18,6 +22,11 @@ class RuntimeConfig:
     onednn_linear: Optional[bool] = None  # oneDNN for fp32 linear layers; null: at inference, in training with AVX-512
     fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
     chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
+    precision: str = "fp32"  # what a loaded model decodes in, chosen when it loads: fp32|bf16|fp16|auto|int8
+
+    def __post_init__(self) -> None:
+        if self.precision not in DECODE_PRECISIONS:
+            raise ValueError(f"runtime.precision={self.precision!r} is not one of {DECODE_PRECISIONS}")
 
     @property
     def onednn(self) -> bool:
@@ -48,14 +57,15 @@ class RuntimeConfig:
 
     def describe(self) -> str:
         """What this runtime chooses on this CPU, and why: one line for the log."""
-        auto = "bf16" if cpu_has_bf16_matmul() else "fp32 (no usable bf16 matrix instructions)"
+        auto = "bf16" if cpu_has_bf16_matmul() else "fp32, no usable bf16 matrix instructions"
+        precision = f"runtime.precision={self.precision} (auto: {auto})"
         if not self.fast:
             return (
                 "runtime=reference: the model as written, no speed paths; decoding caches: KeyValueCache "
-                f"(torch.cat); precision=auto: {auto} | {describe_cpu()}"
+                f"(torch.cat); {precision} | {describe_cpu()}"
             )
         return (
             f"runtime=fast: {self.linear_paths()}; attention: fast_attention; decoding caches: FastKeyValueCache "
             "(grown in place; a paged pool under scheduler=continuous); "
-            f"chunked loss {'on' if self.chunked_loss else 'off'}; precision=auto: {auto} | {describe_cpu()}"
+            f"chunked loss {'on' if self.chunked_loss else 'off'}; {precision} | {describe_cpu()}"
         )

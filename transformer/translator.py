@@ -5,7 +5,7 @@ its tokenizer and its decoding settings. translate.py, evaluate.py, serve.py, tr
 and test decoding, and every script that decodes go through it, so a precision or runtime option
 added here reaches all of them.
 
-    translator = Translator.load("checkpoint_best.pt", decode=DecodeConfig(precision="int8"))
+    translator = Translator.load("checkpoint_best.pt", runtime=RuntimeConfig(precision="int8"))
     translator.translate(["Ein Hund läuft."])            # -> ["A dog is running."]
     translator.score(["Ein Hund läuft."], ["A dog is running."])   # log-probability per token
     translator.translate_stream(lines, write, SchedulerConfig(kind="continuous"))  # in order, as they end
@@ -43,11 +43,13 @@ log = logging.getLogger(__name__)
 
 
 class Translator:
-    """A model ready to decode with `decode`'s settings; one call at a time per Translator (`lock`
-    serializes callers from several threads, as the server's are)."""
+    """A model ready to decode with `decode`'s settings, in `precision` (runtime.precision, which
+    the model was prepared for when it loaded: an int8 model's layers are int8); one call at a time
+    per Translator (`lock` serializes callers from several threads, as the server's are)."""
 
-    def __init__(self, model, tokenizer, device, decode: DecodeConfig, payload: dict | None = None):
+    def __init__(self, model, tokenizer, device, decode: DecodeConfig, payload: dict | None = None, precision: str = "fp32"):  # fmt: skip
         self.model, self.tokenizer, self.device, self.decode = model.eval(), tokenizer, torch.device(device), decode
+        self.precision = precision
         self.payload = payload or {}
         self.pair = language_pair(self.payload.get("train_config"))
         self.language_pair = direction(self.pair) if self.pair else None  # e.g. "de->en"; None for a model without one
@@ -67,9 +69,9 @@ class Translator:
     ) -> Translator:
         """A checkpoint (any written by train.py, scripts/average_checkpoints.py or
         scripts/import_marian.py), or an ensemble of it and `ensemble`, each with `runtime`'s speed
-        paths and `decode.precision`. ConfigError names what cannot be decoded as asked."""
+        paths, in `runtime.precision`. ConfigError names what cannot be decoded as asked."""
         decode, runtime, device = decode or DecodeConfig(), runtime or RuntimeConfig(), pick_device(device)
-        check_precision(decode.precision, device)
+        check_precision(runtime.precision, device)
         model, tokenizer, payload = load_model(Path(checkpoint), device)
         others = [load_model(Path(path), device) for path in ensemble]
         pair = language_pair(payload.get("train_config"))
@@ -84,19 +86,20 @@ class Translator:
                 raise ConfigError(f"ensemble checkpoint {path} has target-language tags {have(other_tokenizer.target_tags)}, but {checkpoint} has {have(tokenizer.target_tags)}")  # fmt: skip
             if not other_tokenizer.same_as(tokenizer):
                 raise ConfigError(f"ensemble checkpoint {path} has another tokenizer than {checkpoint}")
-        int8 = decode.precision == "int8"
+        int8 = runtime.precision == "int8"
         models = [accelerate(m, runtime, int8) for m in [model] + [m for m, _, _ in others]]
-        return cls(models[0] if len(models) == 1 else Ensemble(models), tokenizer, device, decode, payload)
+        model = models[0] if len(models) == 1 else Ensemble(models)
+        return cls(model, tokenizer, device, decode, payload, runtime.precision)
 
     @classmethod
-    def of_training(cls, model, tokenizer, decode: DecodeConfig) -> Translator:
+    def of_training(cls, model, tokenizer, decode: DecodeConfig, precision: str = "fp32") -> Translator:
         """The model being trained (its runtime installed when it was built), decoding with
-        `decode`: under decode.precision=int8 a quantized copy, so the trained weights stay fp32."""
+        `decode` in `precision`: for int8 a quantized copy, so the trained weights stay fp32."""
         device = next(model.parameters()).device
-        check_precision(decode.precision, device)
-        if decode.precision == "int8":  # fp32 products where int8 is slower: oneDNN's where the runtime chose it
+        check_precision(precision, device)
+        if precision == "int8":  # fp32 products where int8 is slower: oneDNN's where the runtime chose it
             model = quantize_int8(copy.deepcopy(model), getattr(model, "onednn", False))
-        return cls(model, tokenizer, device, decode)
+        return cls(model, tokenizer, device, decode, precision=precision)
 
     # ---- target languages
 
@@ -139,24 +142,19 @@ class Translator:
         return dataclasses.replace(self.decode, **changes)
 
     def chosen(self, settings: DecodeConfig | None) -> DecodeConfig:
-        """`settings`, or this Translator's; the precision is the one the model was prepared for."""
-        settings = settings or self.decode
-        if settings.precision != self.decode.precision:
-            raise ValueError(
-                f"decode.precision={settings.precision}, but this model was loaded for decode.precision={self.decode.precision}"
-            )
-        return settings
+        """`settings`, or this Translator's."""
+        return settings or self.decode
 
     def translate_ids(self, sources: list[list[int]], settings=None, progress=None, prefixes=None, constraints=None):
         """n-best lists (Hypothesis) of token-id sentences, in input order (decoding/corpus.py)."""
         with self.lock:
-            return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints)  # fmt: skip
+            return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints, self.precision)  # fmt: skip
 
     def score_ids(self, sources: list[list[int]], targets: list[list[int]], settings=None) -> list[list[float]]:
         """Each target's log-probability per token, its EOS last, given its source, in input order
         (decoding/corpus.py: score_ids; CTranslate2's score_batch). A pair's score is the sum."""
         with self.lock:
-            return decoding.score_ids(self.model, sources, targets, self.tokenizer, self.chosen(settings), self.device)
+            return decoding.score_ids(self.model, sources, targets, self.tokenizer, self.chosen(settings), self.device, self.precision)  # fmt: skip
 
     def score(self, sources: list[str], targets: list[str], tgt_lang: str | None = None, source_name: str = "input", first_line: int = 1) -> list[list[float]]:  # fmt: skip
         """score_ids of texts: each target text's log-probability per token, given its source text.
@@ -205,9 +203,7 @@ class Translator:
         if self.fallback:
             log.warning("scheduler=continuous cannot run here (%s): decoding with scheduler=batch", self.fallback)
             return None
-        engine = Engine(
-            self.model, self.tokenizer, self.decode, self.device, scheduler.pool_bytes, scheduler.block_size
-        )
+        engine = Engine(self.model, self.tokenizer, self.decode, self.device, scheduler.pool_bytes, scheduler.block_size, self.precision)  # fmt: skip
         problem = engine.pool_too_small(self.max_source_tokens + 1, max_beam_size, beam_key, "scheduler.pool_mib", scheduler.pool_mib)  # fmt: skip
         if problem:
             raise ConfigError(problem)
@@ -307,6 +303,8 @@ class Translator:
 def check_precision(precision: str, device: torch.device) -> None:
     """int8 decodes on a CPU, with torch's oneDNN quantized product."""
     if precision == "int8" and device.type != "cpu":
-        raise ConfigError(f"decode.precision=int8 decodes on the CPU only, but device={device.type}")
+        raise ConfigError(f"runtime.precision=int8 decodes on the CPU only, but device={device.type}")
     if precision == "int8" and not int8_available():
-        raise ConfigError("decode.precision=int8 needs torch built with oneDNN's quantized linear; this torch has none")
+        raise ConfigError(
+            "runtime.precision=int8 needs torch built with oneDNN's quantized linear; this torch has none"
+        )

@@ -1,5 +1,5 @@
 """The decoding settings, `decode.*` in the configs: the strategy and its knobs, the length limits,
-batching, precision and MBR reranking. Every value is checked when the config is built."""
+batching and MBR reranking (the precision is chosen when a model loads: runtime.precision). Every value is checked when the config is built."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..devices import PRECISIONS
-
-DECODE_PRECISIONS = (*PRECISIONS, "int8")  # int8: linear layers quantized for CPU decoding (fast/int8.py)
 # The strategies by name, and whether each keeps beam_size hypotheses per sentence and ranks them
 # (then n_best and MBR apply). strategies.py registers one search function under each name; this
 # module, which every other one reads, imports none of them.
@@ -32,7 +29,6 @@ class DecodeConfig:
     top_k: int = 0  # sampling: keep the k most probable tokens; 0 keeps all
     top_p: float = 1.0  # sampling: keep the smallest set of tokens with this much probability
     seed: int = 1  # sampling
-    precision: str = "fp32"  # matrix products in fp32, or bf16/fp16 autocast (auto: bf16 on CPUs with bf16 matrix instructions and on GPUs), or int8 linear layers on CPU
     mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
     mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
     alignment: bool = False  # translate.py: each translation, TAB, its word links i-j (alignment.py)
@@ -44,8 +40,6 @@ class DecodeConfig:
         self.check_ranges()
         if not 1 <= self.n_best <= self.beam_size:
             raise ValueError(f"decode.n_best={self.n_best} must be between 1 and decode.beam_size={self.beam_size}")
-        if self.precision not in DECODE_PRECISIONS:
-            raise ValueError(f"decode.precision={self.precision!r} is not one of {DECODE_PRECISIONS}")
         if self.mbr not in MBR_UTILITIES or self.mbr_weights not in MBR_WEIGHTS:
             raise ValueError(f"decode.mbr must be one of {MBR_UTILITIES} and decode.mbr_weights one of {MBR_WEIGHTS}")
         if self.mbr != "none" and not self.ranks:

@@ -46,12 +46,14 @@ def translate_ids(
     progress=None,
     prefixes=None,
     constraints=None,
+    precision: str = "fp32",
 ) -> list[list[Hypothesis]]:
     """Translate token-id sentences in length-sorted batches; n-best lists come back in input order.
     With decode.mbr, beam search keeps all beam_size hypotheses and MBR chooses their order.
     prefixes: None, or each sentence's target token ids that its translations must start with;
     constraints: None, or each sentence's target phrases (token ids) that its translations must
-    contain (beam search only, constrained.py)."""
+    contain (beam search only, constrained.py); precision: the model's (runtime.precision), bf16
+    or fp16 run the batches under autocast."""
     search = dataclasses.replace(cfg, n_best=cfg.beam_size) if cfg.mbr != "none" else cfg
     lengths = np.array([len(s) + 1 for s in sources], dtype=np.int64)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
@@ -59,7 +61,7 @@ def translate_ids(
     per_sentence = STRATEGIES[cfg.strategy].rows_per_sentence(cfg)
     device = torch.device(device)
     # Scores and log-probabilities stay fp32 either way; int8 is in the model's layers (transformer.translator).
-    amp = None if cfg.precision == "int8" else autocast_dtype(cfg.precision, device)
+    amp = autocast_dtype(precision, device)
     for indices in token_batches(lengths, max(cfg.max_tokens // per_sentence, 1)):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
         prefix = batch_prefix([prefixes[i] for i in indices], device) if prefixes else None
@@ -77,15 +79,15 @@ def translate_ids(
 
 
 @torch.no_grad()
-def score_ids(model, sources: list[list[int]], targets: list[list[int]], tokenizer, cfg: DecodeConfig, device) -> list[list[float]]:  # fmt: skip
+def score_ids(model, sources: list[list[int]], targets: list[list[int]], tokenizer, cfg: DecodeConfig, device, precision: str = "fp32") -> list[list[float]]:  # fmt: skip
     """Each target's log-probability token by token, its EOS last, given its source (teacher
     forcing: what CTranslate2's score_batch and Marian's scorer give), in input order. Batches of
-    about decode.max_tokens source and target tokens, sorted by length, under decode.precision;
+    about decode.max_tokens source and target tokens, sorted by length, under `precision`;
     the log-probabilities are fp32. Ensembles score with their mean distribution."""
     lengths = np.array([len(s) + len(t) + 2 for s, t in zip(sources, targets)], dtype=np.int64)
     out: list[list[float]] = [[] for _ in sources]
     device = torch.device(device)
-    amp = None if cfg.precision == "int8" else autocast_dtype(cfg.precision, device)
+    amp = autocast_dtype(precision, device)
     for indices in token_batches(lengths, cfg.max_tokens):
         src = pad([sources[i] + [tokenizer.eos_id] for i in indices], tokenizer.pad_id).to(device)
         given = pad([[tokenizer.bos_id] + targets[i] for i in indices], tokenizer.pad_id).to(device)

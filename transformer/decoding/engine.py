@@ -88,12 +88,12 @@ class Sentence:
 class Engine:
     """The running batch, the sentences waiting to join it and the pool they share."""
 
-    def __init__(self, model, tokenizer, decode: DecodeConfig, device, pool_bytes: int, block_size: int = 16):
+    def __init__(self, model, tokenizer, decode: DecodeConfig, device, pool_bytes: int, block_size: int = 16, precision: str = "fp32"):  # fmt: skip
         reason = paged.supports(model) or unsupported_settings(decode)
         if reason:
             raise ValueError(reason)
         self.model, self.tokenizer, self.device, self.settings = model, tokenizer, torch.device(device), decode
-        self.amp = None if decode.precision == "int8" else autocast_dtype(decode.precision, self.device)
+        self.amp = autocast_dtype(precision, self.device)  # the model's precision (runtime.precision)
         layers, kv_heads, head_size = paged.pool_shape(model)
         dtype = next(model.parameters()).dtype
         per_block = BlockPool.bytes_per_block(block_size, layers, kv_heads, head_size, dtype)

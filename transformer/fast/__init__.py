@@ -13,7 +13,7 @@ is tested against it (tests/test_fast.py). Caches are objects the decoding state
     paged.py      the paged cache the continuous engine decodes on (PagedState, block pool)
     encoding.py   encoding in groups of similar length at CPU inference
     loss.py       the output layer and its loss in chunks, without the full logits
-    int8.py       int8 linear layers for CPU decoding (decode.precision=int8)
+    int8.py       int8 linear layers for CPU decoding (runtime.precision=int8)
 
 `accelerate(model, runtime)` installs them on a built model, in place: every module whose class
 is a key of FAST_CLASSES becomes its fast class (same parameters, same state dict), and an
@@ -110,7 +110,7 @@ def log_once(message: str) -> None:
 def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = False):
     """Install the speed paths `runtime` asks for on `transformer` (a Transformer, in place; the
     same parameters and state dict) and return it; runtime.fast=false installs none. int8=True
-    (decode.precision=int8, for decoding on a CPU) then quantizes its linear layers (fast/int8.py),
+    (runtime.precision=int8, for decoding on a CPU) then quantizes its linear layers (fast/int8.py),
     under either runtime. Logs, once per process for each distinct line, what was installed and why."""
     runtime = runtime or RuntimeConfig()
     if not runtime.fast:

@@ -1,4 +1,4 @@
-"""int8 decoding on CPU (decode.precision=int8): every linear layer's weight quantized to int8 per
+"""int8 decoding on CPU (runtime.precision=int8): every linear layer's weight quantized to int8 per
 output channel once, its input quantized per row (per token) at each product, and the product
 computed in int8 by oneDNN (`torch.ops.onednn.qlinear_pointwise`).
 
@@ -117,7 +117,7 @@ class Int8Linear(nn.Module):
 
 @dataclass(frozen=True)
 class Int8Plan:
-    """What decode.precision=int8 does with a layer shape on this CPU: weight_levels is None where
+    """What runtime.precision=int8 does with a layer shape on this CPU: weight_levels is None where
     it stays fp32; `reason` says why, or how much faster int8 was."""
 
     weight_levels: int | None
@@ -216,7 +216,7 @@ def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
     lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
     CPU; the others stay fp32, and the log says which and why. Returns `model`."""
     if not available():
-        raise RuntimeError("decode.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
+        raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, FastLinear)]  # fmt: skip
     tied = tied_projection(model)
     if tied is not None:
@@ -229,5 +229,5 @@ def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
             setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
     if plans:
         fp32 = all(plan.weight_levels is None for plan in plans.values())
-        log.log(logging.WARNING if fp32 else logging.INFO, "decode.precision=int8: %s", describe(plans))
+        log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", describe(plans))
     return model

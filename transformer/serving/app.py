@@ -159,7 +159,7 @@ class Service:
             "target_languages": t.target_languages,
             "decoder_layers": t.n_layers,
             "queue": len(self.batcher),
-            "precision": t.decode.precision,
+            "precision": t.precision,
             "scheduler": self.scheduler,
             **({"scheduler_fallback": self.fallback} if self.fallback else {}),
             "decode": {k: getattr(t.decode, k) for k in ("strategy", "beam_size", "n_best", "length_penalty")},

@@ -155,7 +155,7 @@ def evaluate_average(
     averaged = checkpoint.average(paths)
     checkpoint.write(run_dir / f"checkpoint_{name}.pt", averaged)
     model.load_state_dict(averaged["model"])
-    translator = Translator.of_training(model, tokenizer, cfg.decode)
+    translator = Translator.of_training(model, tokenizer, cfg.decode, cfg.runtime.precision)
     hyps = translator.translate_corpus(valid, cfg.decode.greedy())
     valid_bleu = split_scores(hyps, valid)[0]
     report(
@@ -321,7 +321,11 @@ def evaluate_best(
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
     model.load_state_dict(best["model"])
     summary = training_summary(trainer, best, run_dir)
-    results = evaluate_tests(cfg, run_dir, Translator.of_training(model, tokenizer, cfg.decode)) if tests else {}
+    results = (
+        evaluate_tests(cfg, run_dir, Translator.of_training(model, tokenizer, cfg.decode, cfg.runtime.precision))
+        if tests
+        else {}
+    )
     summary["test"] = results
     (run_dir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
     if cfg.trainer.average_last:

@@ -180,7 +180,7 @@ class Trainer:
         """Log validation metrics (and attention images) and return the score that selects the best checkpoint."""
         result = validate(
             self.model, self.valid_data, self.tokenizer, self.cfg.decode, self.cfg.data.max_tokens,
-            self.device, self.amp_dtype, self.tcfg.eval_bleu,
+            self.device, self.amp_dtype, self.tcfg.eval_bleu, self.cfg.runtime.precision,
         )  # fmt: skip
         loss, bleu = result.loss, result.bleu
         message = f"validation step {self.state.step}: loss {loss:.3f} ppl {math.exp(min(loss, 50)):.2f}"

@@ -54,15 +54,26 @@ def validation_loss(model, data: TokenizedCorpus, tokenizer, max_tokens: int, de
 
 
 def validate(
-    model, data: TokenizedCorpus, tokenizer, decode: DecodeConfig, max_tokens: int, device, amp_dtype, bleu: bool
+    model,
+    data: TokenizedCorpus,
+    tokenizer,
+    decode: DecodeConfig,
+    max_tokens: int,
+    device,
+    amp_dtype,
+    bleu: bool,
+    precision: str = "fp32",
 ) -> Validation:
     """The loss and, with bleu=True, greedy translations scored against the references (for a
     many-to-many run, the mean over its directions, which selects its best checkpoint). Greedy
-    rather than the configured strategy: it is fast, and ranks checkpoints well enough."""
+    rather than the configured strategy: it is fast, and ranks checkpoints well enough. The
+    translations decode in `precision` (runtime.precision), as the test splits do."""
     result = Validation(validation_loss(model, data, tokenizer, max_tokens, device, amp_dtype))
     if bleu:
         with progress_bar(len(data), "validate") as bar:
-            n_best = Translator.of_training(model, tokenizer, decode.greedy()).translate_ids(data.src, progress=bar)
+            n_best = Translator.of_training(model, tokenizer, decode.greedy(), precision).translate_ids(
+                data.src, progress=bar
+            )
         result.hyp_ids = [hyps[0].tokens for hyps in n_best]
         result.hyps = tokenizer.decode(result.hyp_ids)
         result.bleu, result.chrf, result.directions = split_scores(result.hyps, data)
