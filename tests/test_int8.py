@@ -2,6 +2,7 @@
 faster in int8 becomes an Int8Linear (fast/int8.py), whose rows do not depend on each other, and a
 briefly trained model predicts nearly as in fp32 through the real loading path."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -18,6 +19,7 @@ from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
 from .briefly_trained import multi30k_corpus, trained_model
+from .conftest import make_model
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 
@@ -203,3 +205,23 @@ def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplo
         assert "decoding stays in fp32" in caplog.text
     finally:  # the next test finds this process's real decision
         int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
+
+
+@pytest.mark.usefixtures("int8_is_fast")
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast):
+    """A model whose output projection is the embedding matrix keeps `output` None (what tying
+    means to the rest of the code) and its output weight the embedding's, while the projection runs
+    as an int8 copy: its logits are int8's rounding of the fp32 ones, not the fp32 ones."""
+    if exact_weight_levels() is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+    torch.manual_seed(0)
+    fp32 = make_model("fast" if fast else "reference", tie_output=True)
+    int8 = quantize_int8(copy.deepcopy(fp32), fast)
+    assert int8.output is None and int8.output_weight is int8.embed.embed.weight
+    assert isinstance(int8.int8_output, Int8Linear)
+    x = torch.randn(2, 3, fp32.cfg.d_model)
+    with torch.no_grad():
+        expected, got = fp32.project(x), int8.project(x)
+    assert not torch.equal(got, expected)
+    assert (got - expected).norm() <= 0.05 * expected.norm()

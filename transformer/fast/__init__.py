@@ -13,13 +13,18 @@ is tested against it (tests/test_fast.py). Caches are objects the decoding state
     paged.py      the paged cache the continuous engine decodes on (PagedState, block pool)
     encoding.py   encoding in groups of similar length at CPU inference
     loss.py       the output layer and its loss in chunks, without the full logits
-    int8.py       int8 linear layers for CPU decoding (runtime.precision=int8)
+    int8.py       int8 linear layers for CPU decoding (runtime.precision=int8), tied output too
 
-`accelerate(model, runtime)` installs them on a built model, in place: every module whose class
-is a key of FAST_CLASSES becomes its fast class (same parameters, same state dict), and an
-attention variant becomes a class derived from FastMultiHeadAttention and the variant, which
-keeps every step the variant overrides. runtime=reference (configs/runtime/) installs nothing.
-One log line per process says what was installed and why. docs/PERFORMANCE.md has what each
+Speed paths attach in two ways only. (1) Classes: `accelerate(model, runtime)` gives every module
+whose class is a key of FAST_CLASSES its fast class, in place (same parameters, same state dict;
+`adopt(runtime)` sets up a fast module's own state), and an attention variant a class derived from
+FastMultiHeadAttention and the variant, which keeps every step the variant overrides;
+runtime.precision=int8 then replaces linear layers by Int8Linear, as torch's quantized modules do,
+and a tied output projection makes the model an Int8TiedOutput (int8.py). (2) Cache objects: the
+decoding state a model makes (`new_state`) holds the caches its layers read and write: the
+reference's KeyValueCache, FastKeyValueCache, or the engine's paged ones (paged.py). No fast path
+copies a reference forward. runtime=reference (configs/runtime/) installs no class. One log line
+per process says what was installed and why. docs/PERFORMANCE.md has what each
 path is worth and where it was measured. The reference model never imports this package.
 """
 

@@ -201,6 +201,23 @@ def describe(plans: dict[tuple[int, int], Int8Plan]) -> str:
     return line
 
 
+class Int8TiedOutput:
+    """A Transformer whose tied output projection runs in int8: `int8_output`, an Int8Linear made
+    from the embedding matrix (the lookup stays fp32). `output` stays None, as the tying says."""
+
+    int8_output: Int8Linear
+
+    def project(self, x: Tensor) -> Tensor:
+        logits = self.int8_output(x)
+        return logits if self.logits_bias is None else logits + self.logits_bias
+
+
+@functools.cache
+def with_int8_output(cls: type) -> type:
+    """`cls` (a Transformer class, fast or reference) with Int8TiedOutput's projection."""
+    return type(f"Int8Output{cls.__name__}", (Int8TiedOutput, cls), {"__doc__": f"{cls.__name__} with an int8 tied output projection"})  # fmt: skip
+
+
 def tied_projection(model: nn.Module) -> nn.Linear | None:
     """A Transformer's tied output projection as a linear layer (its weight the embedding's), or None."""
     if not isinstance(model, Transformer) or model.output is not None:
@@ -212,21 +229,23 @@ def tied_projection(model: nn.Module) -> nn.Linear | None:
 
 def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` (fast/linear.py's `FastLinear` included) by an
-    Int8Linear, and give a Transformer with a tied output projection an int8 one (the embedding
-    lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
+    Int8Linear (torch's convention for quantized modules), and make a Transformer with a tied
+    output projection an Int8TiedOutput (the embedding lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
     CPU; the others stay fp32, and the log says which and why. Returns `model`."""
     if not available():
         raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
     layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, FastLinear)]  # fmt: skip
     tied = tied_projection(model)
     if tied is not None:
-        layers.append((model, "output", tied))
+        layers.append((model, "int8_output", tied))
     plans = {shape: kernel_plan(onednn, shape) for shape in sorted({(c.in_features, c.out_features) for _, _, c in layers})}  # fmt: skip
     inputs = SharedInputs()
     for parent, name, child in layers:
         plan = plans[child.in_features, child.out_features]
         if plan.weight_levels is not None:
             setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
+            if child is tied:
+                model.__class__ = with_int8_output(type(model))
     if plans:
         fp32 = all(plan.weight_levels is None for plan in plans.values())
         log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", describe(plans))
