@@ -68,9 +68,12 @@ def test_blocks_are_shared_by_forks_and_copied_on_write():
     pool.keys[0, slot] = 40.0
     assert pool.keys[0, pool.slots([child], 4)[0], 0, 0].tolist() == [1.0, 2.0, 3.0, 40.0]
     assert pool.keys[0, pool.slots([parent], 3)[0], 0, 0].tolist() == [1.0, 2.0, 3.0]
+    assert pool.most_used == 3
     pool.release(parent)
     pool.release(child)
     assert sorted(pool.free) == list(range(6))
+    pool.writable([], 0)
+    assert pool.most_used == 3  # the most in use at once, not now
 
 
 @pytest.mark.isa

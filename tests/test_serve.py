@@ -330,6 +330,27 @@ def test_load_test_reports_throughput_latency_and_the_servers_batch_size(server,
 
 
 @pytest.mark.e2e
+def test_load_test_checks_every_answer_against_the_expected_translations(
+    server, model_path, sentences, tmp_path, capsys
+):
+    (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
+    done = translate_py(f"checkpoint={model_path}", *QUICK, stdin=(tmp_path / "in.de").read_text())
+    assert done.returncode == 0, done.stderr
+    expected = done.stdout.splitlines()
+    for name, lines, differ in (("right", expected, 0), ("wrong", ["?"] + expected[1:], None)):
+        (tmp_path / name).write_text("".join(line + "\n" for line in lines))
+        args = [f"url={server.url}", f"input={tmp_path / 'in.de'}", f"expected={tmp_path / name}", "clients=3", "seconds=1", f"output={tmp_path / 'load.json'}"]  # fmt: skip
+        assert run_entry("benchmarks/load_test.py", args) == 0
+        results = json.loads((tmp_path / "load.json").read_text())
+        assert results["errors"] == 0 and results["sentences"] > len(sentences)
+        if differ is not None:
+            assert results["not_expected"] == differ
+        else:
+            assert results["not_expected"] > 0 and "expected ['?']" in results["first_not_expected"][0]
+    assert "answers differ from expected=" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
 def test_compare_schedulers_runs_both_and_reports_their_ratios(model_path, sentences, tmp_path, capsys):
     (tmp_path / "in.de").write_text("".join(s + "\n" for s in sentences))
     args = [f"checkpoint={model_path}", f"input={tmp_path / 'in.de'}", "clients=[2]", "seconds=1", "serve=[" + ",".join(f"'{q}'" for q in QUICK) + "]", f"output={tmp_path / 'out.json'}"]  # fmt: skip

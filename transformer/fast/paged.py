@@ -54,6 +54,7 @@ class BlockPool:
         self.refs = [0] * n_blocks
         self.free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self.gathered_bytes = 0  # copied by `gather` so far (benchmarks/benchmark_engine.py reports it)
+        self.most_used = 0  # the most blocks in use at once so far (serve.py's /health reports it)
 
     @staticmethod
     def bytes_per_block(block_size: int, layers: int, kv_heads: int, head_size: int, dtype) -> int:
@@ -68,6 +69,7 @@ class BlockPool:
             raise PoolExhausted(f"all {self.n_blocks} blocks are in use")
         block = self.free.pop()
         self.refs[block] = 1
+        self.most_used = max(self.most_used, self.n_blocks - len(self.free))
         return block
 
     def share(self, table: list[int]) -> list[int]:

@@ -168,7 +168,7 @@ class Service:
         if isinstance(self.batcher, ContinuousBatcher):
             engine = self.batcher.engine
             pool = engine.pool
-            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "preemptions": engine.preemptions}  # fmt: skip
+            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "most_used": pool.most_used, "preemptions": engine.preemptions}  # fmt: skip
         if self.model_error:
             body["error"] = self.model_error
         return JSONResponse(body, 200 if self.model_loaded else 503)
