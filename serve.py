@@ -9,6 +9,7 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     host=127.0.0.1 port=8000    port=0 picks a free port (the log line "serving on" names it)
     limits.max_lines=64         sentences per request        limits.max_chars=2000  characters per sentence
     limits.max_queue=256        waiting requests (429 past)  limits.max_beam_size=8
+    limits.max_sentence_tokens=0  source tokens per sentence (413 past; 0: the model's positions)
     scheduler=batch|continuous    batch: whole requests are merged into decoding batches; continuous: sentences
                                   join and leave the running batch at every step, on a paged key/value cache
                                   (as translate.py's; what it cannot run falls back to batch, /health says why)

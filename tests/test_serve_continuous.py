@@ -24,6 +24,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from transformer.decoding.config import SchedulerConfig
+from transformer.decoding.engine import Engine
+from transformer.errors import ConfigError
 from transformer.fast.paged import PagedKeyValueCache
 from transformer.serving import ServeLimits
 from transformer.serving import app as serving_app
@@ -265,3 +267,35 @@ def test_compare_schedulers_refuses_a_server_that_fell_back(model_path, tmp_path
     error = done.stderr.strip().splitlines()[-1]
     assert error.startswith("error: serve.py was asked for scheduler=continuous but serves with scheduler=batch")
     assert "decode.strategy=sample" in error and not done.stdout
+
+
+@pytest.mark.parametrize("kind", ["batch", "continuous"])
+def test_a_sentence_over_max_sentence_tokens_is_a_413_and_the_limit_bounds_the_pool(model_path, kind):
+    """limits.max_sentence_tokens refuses a longer sentence with a 413 under either scheduler, and
+    the continuous pool need only hold a sentence that long: a pool too small for the longest
+    sentence the model takes starts with the limit, and answers as translate_batch does."""
+    translator = loaded_translator(model_path)
+    texts = corpus_lines("de", 6, "val")
+    lengths = [len(ids) for ids in translator.encode(texts)]
+    most = sorted(lengths)[len(lengths) // 2]
+    probe = Engine(translator.model, translator.tokenizer, translator.decode, "cpu", pool_bytes=1)
+    pool = SchedulerConfig(kind=kind, pool_mib=probe.mib(probe.most_needed(most + 1, 8)))
+    assert probe.most_needed(translator.max_source_tokens + 1, 8) > probe.most_needed(most + 1, 8)
+    if kind == "continuous":
+        with pytest.raises(ConfigError, match="or lower limits.max_sentence_tokens"):
+            serving_app.create_app(translator, ServeLimits(), pool)
+    app = serving_app.create_app(translator, ServeLimits(max_sentence_tokens=most), pool)
+    with TestClient(app) as client:
+        assert wait_for(lambda: client.get("/health").json()["status"] == "ok", timeout=60)
+        assert client.get("/health").json()["scheduler"] == kind
+        short = [t for t, n in zip(texts, lengths) if n <= most]
+        answer = client.post("/v1/translate", json={"text": short})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["translations"] == translator.texts([h[0] for h in translator.translate_batch(translator.encode(short), translator.decode)])  # fmt: skip
+        long = next(i for i, n in enumerate(lengths) if n > most)
+        refused = client.post("/v1/translate", json={"text": texts})
+    assert refused.status_code == 413, refused.text
+    assert refused.json() == {
+        "error": f"text[{long}] has {lengths[long]} tokens; at most {most}",
+        "kind": "line_too_long",
+    }

@@ -191,12 +191,14 @@ class Translator:
 
     # ---- scheduling: batches, or the step-level engine
 
-    def continuous_engine(self, scheduler: SchedulerConfig, max_beam_size: int, beam_key: str, refused: str | None = None):  # fmt: skip
+    def continuous_engine(self, scheduler: SchedulerConfig, max_beam_size: int, beam_key: str, refused: str | None = None, source_tokens: int | None = None, length_key: str | None = None):  # fmt: skip
         """For scheduler=continuous, the step-level engine (decoding/engine.py) on this model, its
         pool scheduler.pool_mib; None for scheduler=batch, and None after one warning line where
         the engine cannot run this model, these settings or a command's option (`refused`, why
         not): the command then decodes in batches. translate.py and serve.py share this policy.
-        ConfigError when the pool cannot hold the longest sentence at `max_beam_size` alone."""
+        ConfigError when the pool cannot hold the longest sentence at `max_beam_size` alone: of
+        `source_tokens` tokens where a command bounds them (serve.py's `length_key`), else of as
+        many as the model's positions take."""
         if scheduler.kind != "continuous":
             return None
         self.fallback = refused or paged.supports(self.model) or unsupported_settings(self.decode)
@@ -204,9 +206,10 @@ class Translator:
             log.warning("scheduler=continuous cannot run here (%s): decoding with scheduler=batch", self.fallback)
             return None
         engine = Engine(self.model, self.tokenizer, self.decode, self.device, scheduler.pool_bytes, scheduler.block_size, self.precision)  # fmt: skip
-        problem = engine.pool_too_small(self.max_source_tokens + 1, max_beam_size, beam_key, "scheduler.pool_mib", scheduler.pool_mib)  # fmt: skip
+        longest = min(source_tokens or self.max_source_tokens, self.max_source_tokens) + 1  # EOS
+        problem = engine.pool_too_small(longest, max_beam_size, beam_key, "scheduler.pool_mib", scheduler.pool_mib)
         if problem:
-            raise ConfigError(problem)
+            raise ConfigError(problem + (f", or lower {length_key}" if length_key else ""))
         pool = engine.pool
         log.info(
             "scheduler=continuous: a key/value pool of %d blocks x %d positions (%.0f MiB)",

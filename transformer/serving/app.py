@@ -128,14 +128,20 @@ class Service:
         return JSONResponse({"source": req.text, "translation": translation, **result})
 
     async def decode(self, req: TranslateRequest) -> Answer:
-        """The request's n-best lists from the batcher (429 when its queue is full)."""
+        """The request's n-best lists from the batcher (429 when its queue is full, 413 for a
+        sentence over limits.max_sentence_tokens)."""
         try:
             settings = self.translator.settings(req.beam_size, req.n_best, req.length_penalty)
         except ValueError as e:  # a combination the decode settings refuse, such as n_best > beam_size
             raise RequestError(422, "out_of_range", str(e).replace("decode.", "")) from None
         self.tag(req.target_lang)
+        sources = self.translator.encode(req.texts, req.target_lang)
+        most = self.limits.sentence_tokens(self.translator.max_source_tokens)
+        for i, ids in enumerate(sources):
+            if len(ids) > most:
+                raise RequestError(413, "line_too_long", f"text[{i}] has {len(ids)} tokens; at most {most}")
         try:
-            return await self.batcher.translate(self.translator.encode(req.texts, req.target_lang), settings)
+            return await self.batcher.translate(sources, settings)
         except QueueFull as e:
             raise RequestError(429, "queue_full", str(e)) from None
 
@@ -185,7 +191,8 @@ def scheduler(translator: Translator, limits: ServeLimits, schedule: SchedulerCo
     """The scheduler asked for, or the batch scheduler where continuous batching cannot run this
     model or these settings (Translator.continuous_engine: the same policy as translate.py's):
     its name, the batcher, and why continuous batching was not used when it was asked for."""
-    engine = translator.continuous_engine(schedule, limits.max_beam_size, "limits.max_beam_size")
+    longest = limits.sentence_tokens(translator.max_source_tokens)
+    engine = translator.continuous_engine(schedule, limits.max_beam_size, "limits.max_beam_size", source_tokens=longest, length_key="limits.max_sentence_tokens")  # fmt: skip
     if engine is not None:
         batcher = ContinuousBatcher(engine, translator.tokenizer.eos_id, limits.max_batch_tokens, limits.max_queue, metrics.step, metrics.sentences.inc)  # fmt: skip
         return "continuous", batcher, None

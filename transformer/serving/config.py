@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class ServeLimits:
     max_lines: int = 64  # sentences in one request
     max_chars: int = 2000  # characters in one sentence
+    max_sentence_tokens: int = 0  # source tokens in one sentence; 0: as many as the model's positions take
     max_queue: int = 256  # requests waiting to be decoded; one more is answered 429
     max_batch_tokens: int = 4096  # source tokens merged into one decoding batch (one request may exceed it alone)
     max_wait_ms: float = 5.0  # how long the oldest waiting request waits for others to join its batch
@@ -22,9 +23,18 @@ class ServeLimits:
         for key in ("max_lines", "max_chars", "max_queue", "max_batch_tokens", "max_beam_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"limits.{key}={getattr(self, key)} must be >= 1")
+        if self.max_sentence_tokens < 0:
+            raise ValueError(
+                f"limits.max_sentence_tokens={self.max_sentence_tokens} must be >= 0 (0: no limit of its own)"
+            )
         for key in ("max_wait_ms", "max_length_penalty"):
             if not 0 <= getattr(self, key) < math.inf:
                 raise ValueError(f"limits.{key}={getattr(self, key)} must be >= 0 and finite")
+
+    def sentence_tokens(self, model_tokens: int) -> int:
+        """The most source tokens a sentence may have (EOS aside): max_sentence_tokens, at most
+        `model_tokens` (what the model's positions take; a longer text is truncated to it)."""
+        return min(self.max_sentence_tokens, model_tokens) if self.max_sentence_tokens else model_tokens
 
     @property
     def max_body_bytes(self) -> int:
