@@ -118,7 +118,7 @@ class FastKeyValueCache(KeyValueCache):
         self.keys.reorder(index)
         self.values.reorder(index)
         self.k, self.v = self.keys.value, self.values.value
-        self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
+        self.reorder_extra(index)
 
 
 def cross_dtype(fp32_cross: bool, dtype: torch.dtype, device: torch.device) -> torch.dtype:

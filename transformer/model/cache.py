@@ -70,6 +70,10 @@ class KeyValueCache:
     def reorder(self, index: Tensor) -> None:
         """Keep the batch rows in `index`, in that order."""
         self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
+        self.reorder_extra(index)
+
+    def reorder_extra(self, index: Tensor) -> None:
+        """The attention variants' per-row state (`extra`) follows the rows."""
         self.extra = {name: t.index_select(0, index) for name, t in self.extra.items()}
 
 
