@@ -1,5 +1,6 @@
 import gzip
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (the default, see pyproject.toml): one test worker per usable CPU."""
     return usable_cpus()
 
+
+# Timings the int8 start-up check keeps (fast/int8.py: plan_cache_path) go to a directory of this
+# test process, inherited by the commands it starts, never to the user's cache.
+os.environ["TRANSFORMER_CACHE_DIR"] = tempfile.mkdtemp(prefix="transformer-cache-")
 
 # Under pytest-xdist the workers share the CPUs: each gets its share of torch threads, and so do
 # the train.py and translate.py commands the tests start (their torch reads OMP_NUM_THREADS), so

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tes
 
 
 @pytest.fixture
-def int8_is_fast(monkeypatch):
+def int8_is_fast(monkeypatch, tmp_path):
     """For tests of what an all-int8 model computes: the start-up check's timing, which decides
     per layer shape whether a loaded machine decodes in int8 at all, is taken as passed, so every
-    layer is int8 (the real decision has its own tests below)."""
+    layer is int8 (the real decision has its own tests below), with no timing kept from before."""
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(transformer.fast.int8, "int8_to_fp32_time", lambda *args: 0.5)
     kernel_plan.cache_clear()
     yield
@@ -173,13 +174,14 @@ def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows()
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplog):
+def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplog, tmp_path):
     """Where full-range int8 weights give inexact products the weights are narrowed; where no
     range is exact, int8 stays off; a layer shape that is slower in int8 than in fp32 stays fp32,
     the others do not; the log says which and why."""
     int8 = transformer.fast.int8
 
     def plan_with(exact: set[int], ratio) -> None:
+        monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / str(len(list(tmp_path.iterdir())))))  # none kept
         monkeypatch.setattr(int8, "exact_products", lambda levels: levels in exact)
         monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape: ratio(shape))
         int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
@@ -225,3 +227,42 @@ def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast):
         expected, got = fp32.project(x), int8.project(x)
     assert not torch.equal(got, expected)
     assert (got - expected).norm() <= 0.05 * expected.norm()
+
+
+def test_a_timing_is_taken_once_per_machine_and_kept(monkeypatch, tmp_path, caplog):
+    """The speed check's timing of a layer shape is kept on disk: a later process (a busy machine,
+    whose timing would say otherwise) makes the same choice; another shape, another instruction-set
+    limit or a deleted file is timed again; a cache that cannot be written is a warning, not a failure."""
+    int8 = transformer.fast.int8
+    if int8.exact_weight_levels() is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU, so nothing is timed")
+    calls = []
+
+    def timing(ratio: float):
+        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape: calls.append(shape) or ratio)
+        int8.kernel_plan.cache_clear()  # as a new process
+
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    try:
+        timing(0.5)
+        first = int8.kernel_plan(True, (8, 8))
+        assert first.weight_levels is not None and first.timing == "timed now"
+        timing(3.0)  # a busy machine
+        again = int8.kernel_plan(True, (8, 8))
+        assert (again.weight_levels, again.reason) == (first.weight_levels, first.reason) and calls == [(8, 8)]
+        assert again.timing.startswith("timed on ") and str(tmp_path / "cache") in int8.describe({(8, 8): again})
+        assert int8.kernel_plan(True, (8, 16)).weight_levels is None and calls == [(8, 8), (8, 16)]
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the key names the limit: timed again
+        assert int8.kernel_plan.__wrapped__(True, (8, 8)).weight_levels is None and len(calls) == 3
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        (tmp_path / "cache" / "int8_timings.json").unlink()
+        int8.kernel_plan.cache_clear()
+        assert int8.kernel_plan(True, (8, 8)).weight_levels is None and len(calls) == 4
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / "file"))  # not a directory
+        timing(0.5)
+        with caplog.at_level("WARNING"):
+            assert int8.kernel_plan(True, (8, 8)).weight_levels is not None
+        assert "int8 timings not kept" in caplog.text
+    finally:
+        int8.kernel_plan.cache_clear()

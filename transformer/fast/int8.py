@@ -14,13 +14,15 @@ products). oneDNN's fast kernels (AMX, AVX512-VNNI, AVX2) take that; given s8 in
 without AMX fell to oneDNN's reference kernel, hundreds of times slower than fp32. So a row
 quantized to q in [-127, 127] is passed as q + 128 with zero point 128: the same product.
 
-Why a check at start-up (`kernel_plan`, once per process): where the CPU lacks VNNI (AVX2, or
+Why a check at start-up (`kernel_plan`): where the CPU lacks VNNI (AVX2, or
 AVX-512 without VNNI), the kernels add pairs of u8 x s8 products in 16 bits, which saturates for
 large weights and inputs: the product is silently wrong. The check multiplies the worst case
 and compares with the exact integer result: where full-range weights are wrong, the weights
 are quantized to [-63, 63], which cannot saturate; where those are wrong too, decoding stays in
 fp32. Then each layer shape is timed: a shape whose int8 layer is slower than its fp32 one stays
-fp32. The log says what was chosen and why.
+fp32. A timing is taken once per machine and kept on disk (`plan_cache_path`, keyed by the CPU,
+its instruction-set limits, torch and the shape), so a busy moment cannot change the choice from
+one run to the next. The log says what was chosen, why, and where the timings are kept.
 
 The output projection is int8 too, also where it is tied to the embeddings (an int8 copy; the
 lookup stays fp32): it is the largest product of a decoding step. Norms, softmax and the
@@ -29,15 +31,21 @@ attention products stay fp32.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from ..devices import CPU_FEATURES, ISA_VARIABLES, cpu_flags
+from ..files import atomic_write_text
 from ..model import Transformer
 from .linear import FastLinear, PackedWeight, linear
 
@@ -122,6 +130,7 @@ class Int8Plan:
 
     weight_levels: int | None
     reason: str
+    timing: str = ""  # where the timing came from: "timed now" or "timed on DATE" (plan_cache_path)
 
 
 def exact_products(weight_levels: int) -> bool:
@@ -173,32 +182,80 @@ def exact_weight_levels() -> int | None:
         return next((n for n in (ROW_SCALE, NARROW_WEIGHTS) if exact_products(n)), None)
 
 
+def plan_cache_path() -> Path:
+    """The file of int8 timings: in $TRANSFORMER_CACHE_DIR, else $XDG_CACHE_HOME/transformer, else
+    ~/.cache/transformer. Deleting it times the layer shapes again."""
+    root = os.environ.get("TRANSFORMER_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformer"
+    return Path(root) / "int8_timings.json"
+
+
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
+def timing_key(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> str:
+    """What a timing depends on: the CPU and its features, the instruction-set limits, torch, the
+    fp32 path it is compared with, the weight range and the layer shape."""
+    features = ",".join(f for f in CPU_FEATURES if f in cpu_flags())
+    limits = ",".join(f"{v}={os.environ[v]}" for v in ISA_VARIABLES if os.environ.get(v))
+    fp32 = "onednn" if onednn else "blas"
+    return f"{cpu_name()} | {features} | {limits or 'no limits'} | torch {torch.__version__} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]}"  # fmt: skip
+
+
+def kept_ratio(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> tuple[float, str]:
+    """int8_to_fp32_time for this machine, timed once and kept in plan_cache_path(); and where it
+    came from. A cache that cannot be read is timed again; one that cannot be written is logged."""
+    path, key = plan_cache_path(), timing_key(weight_levels, onednn, shape)
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if isinstance(kept.get(key), dict) and isinstance(kept[key].get("ratio"), float):
+        return kept[key]["ratio"], f"timed on {kept[key].get('date', '?')}"
+    ratio = int8_to_fp32_time(weight_levels, onednn, shape)
+    kept[key] = {"ratio": ratio, "date": datetime.date.today().isoformat()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        log.warning("int8 timings not kept (%s): the next run times them again", e)
+    return ratio, "timed now"
+
+
 @functools.cache
 def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> Int8Plan:
-    """Checked once per process (and layer shape): the weight range whose int8 products are exact
-    here, and whether an int8 layer of that (in, out) `shape` is at least as fast as the fp32 one
-    (`onednn`: runtime.onednn_linear's choice)."""
+    """The weight range whose int8 products are exact here (checked once per process), and
+    whether an int8 layer of that (in, out) `shape` is at least as fast as the fp32 one
+    (`onednn`: runtime.onednn_linear's choice), timed once per machine (kept_ratio)."""
     if not available():
         return Int8Plan(None, "this torch has no oneDNN quantized linear product")
     levels = exact_weight_levels()
     if levels is None:
         return Int8Plan(None, "oneDNN's int8 product is not exact on this CPU")
     with torch.random.fork_rng():
-        ratio = int8_to_fp32_time(levels, onednn, shape)
-    return Int8Plan(levels if ratio <= 1.0 else None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time")
+        ratio, timing = kept_ratio(levels, onednn, shape)
+    return Int8Plan(levels if ratio <= 1.0 else None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", timing)
 
 
 def describe(plans: dict[tuple[int, int], Int8Plan]) -> str:
     """One log line on what quantize_int8 chose for each layer shape, and why."""
     used = [plan.reason for plan in plans.values() if plan.weight_levels is not None]
     kept = [plan.reason for plan in plans.values() if plan.weight_levels is None]
+    timings = sorted({plan.timing for plan in plans.values() if plan.timing})
+    source = f" ({', '.join(timings)}; kept in {plan_cache_path()}, delete it to time again)" if timings else ""
     if not used:
-        return f"decoding stays in fp32: {'; '.join(dict.fromkeys(kept))}"
+        return f"decoding stays in fp32: {'; '.join(dict.fromkeys(kept))}{source}"
     line = f"layers in int8 on oneDNN where faster ({', '.join(used)})"
     line += f"; kept in fp32 where not ({', '.join(kept)})" if kept else ""
     if any(plan.weight_levels == NARROW_WEIGHTS for plan in plans.values()):
         line += f"; weights in [-{NARROW_WEIGHTS}, {NARROW_WEIGHTS}]: this CPU's int8 product saturates full-range ones"
-    return line
+    return line + source
 
 
 class Int8TiedOutput:
