@@ -2,6 +2,8 @@
 uncached, batch-independence, sorted distinct n-best lists, seeded sampling, ensembles, loading
 with a runtime and checkpoint averaging."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from transformer.decoding import (
 from transformer.decoding import beam as beam_module
 from transformer.decoding import search as search_module
 from transformer.decoding.beam import best_extensions, stay_in_place
+from transformer.decoding.config import SchedulerConfig
 from transformer.fast import accelerate
 from transformer.model import ModelConfig, Transformer
 from transformer.runtime import RuntimeConfig
@@ -342,3 +345,30 @@ def test_beam_search_expands_one_row_per_sentence_at_the_first_step(vocab_size):
     assert counter.rows[:2] == ([6, 30] if vocab_size >= 10 else [30, 30])
     uncached = beam_search(Uncached(model), src, BOS, EOS, cfg)
     assert [[h.tokens for h in b] for b in cached] == [[h.tokens for h in b] for b in uncached]
+
+
+@pytest.mark.parametrize("runtime", ["reference", "fast"])
+def test_a_translator_decodes_in_its_precision_through_every_way_in(runtime):
+    """The precision a Translator was loaded for (runtime.precision) reaches every way of decoding
+    with it: texts, token ids, a corpus, scores, and a stream on the continuous engine."""
+    tokenizer = char_tokenizer()
+    model = accelerate(make_model(vocab_size=len(tokenizer)), RuntimeConfig(fast=runtime == "fast"))
+    dtypes = []
+    model.decoder_layers[0].ffn.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    settings = DecodeConfig(beam_size=2, max_len_a=0.0, max_len_b=4)
+    translator = Translator(model, tokenizer, "cpu", settings, precision="bf16")
+    texts = ["ein hund", "zwei katzen"]
+    ways = {
+        "translate": lambda: translator.translate(texts),
+        "translate_texts": lambda: translator.translate_texts(texts),
+        "translate_ids": lambda: translator.translate_ids(translator.encode(texts)),
+        "translate_corpus": lambda: translator.translate_corpus(SimpleNamespace(src=translator.encode(texts))),
+        "score": lambda: translator.score(texts, ["a dog", "cats"]),
+        "translate_stream": lambda: translator.translate_stream(
+            texts, lambda i, n_best: None, SchedulerConfig(kind="continuous", pool_mib=1)
+        ),  # fmt: skip
+    }
+    for name, way in ways.items():
+        dtypes.clear()
+        way()
+        assert dtypes and set(dtypes) == {torch.bfloat16}, name

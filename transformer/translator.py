@@ -172,7 +172,7 @@ class Translator:
         tgt_lang: the target language of a many-to-many model (target_tag)."""
         tag = self.target_tag(tgt_lang)
         with self.lock:
-            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints, tag)  # fmt: skip
+            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints, tag, self.precision)  # fmt: skip
 
     def translate(self, texts: list[str], settings=None, progress=None, source_name="input", tgt_lang=None) -> list[str]:  # fmt: skip
         """The best translation of each text, in input order; empty texts give empty translations."""
@@ -182,7 +182,7 @@ class Translator:
     def translate_corpus(self, corpus, settings=None) -> list[str]:
         """The best translation of each sentence of a tokenized corpus (batching.TokenizedCorpus)."""
         with self.lock:
-            return decoding.translate_corpus(self.model, corpus, self.tokenizer, self.chosen(settings), self.device)
+            return decoding.translate_corpus(self.model, corpus, self.tokenizer, self.chosen(settings), self.device, self.precision)  # fmt: skip
 
     def align(self, texts: list[str], n_best: list[list[Hypothesis]], settings=None) -> list[list[str]]:
         """Each hypothesis's word alignment to its source, as i-j pairs (decoding/alignment.py)."""

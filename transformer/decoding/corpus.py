@@ -135,12 +135,13 @@ def translate_texts(
     prefixes=None,
     constraints=None,
     tag: int | None = None,
+    precision: str = "fp32",
 ) -> list[list[Hypothesis]]:
     """n-best lists for each text, in input order; an empty text gets empty hypotheses. Warnings
     and errors name texts[0] line `first_line` of source_name. prefixes: None, or for each text the
     target text its translations must start with ("" for none); constraints: None, or for each
     text the target phrases its translations must contain. tag: the target-language tag id that
-    starts every source (a many-to-many model's), or None."""
+    starts every source (a many-to-many model's), or None. precision: translate_ids's."""
     limit = model.cfg.max_positions - 1
     ids = encode_sources(texts, tokenizer, limit - (tag is not None), source_name, first_line, tag)
     forced = None if prefixes is None else encode_prefixes(prefixes, tokenizer, limit, source_name, first_line)
@@ -150,21 +151,19 @@ def translate_texts(
     out = [[Hypothesis([], 0.0, 0.0)] * per_sentence for _ in texts]
     chosen = None if forced is None else [forced[i] for i in todo]
     required = None if phrases is None else [phrases[i] for i in todo]
-    n_best = translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress, chosen, required)
+    n_best = translate_ids(model, [ids[i] for i in todo], tokenizer, cfg, device, progress, chosen, required, precision)
     for i, hyps in zip(todo, n_best):
         out[i] = hyps
     return out
 
 
-def translate(
-    model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", tag=None
-) -> list[str]:
+def translate(model, texts: list[str], tokenizer, cfg: DecodeConfig, device, progress=None, source_name="input", tag=None, precision: str = "fp32") -> list[str]:  # fmt: skip
     """Best translation of each text, in input order; empty texts give empty translations."""
-    n_best = translate_texts(model, texts, tokenizer, cfg, device, progress, source_name, tag=tag)
+    n_best = translate_texts(model, texts, tokenizer, cfg, device, progress, source_name, tag=tag, precision=precision)
     return tokenizer.decode([hyps[0].tokens for hyps in n_best])
 
 
-def translate_corpus(model, corpus: TokenizedCorpus, tokenizer, cfg: DecodeConfig, device) -> list[str]:
+def translate_corpus(model, corpus: TokenizedCorpus, tokenizer, cfg: DecodeConfig, device, precision: str = "fp32") -> list[str]:  # fmt: skip
     """Best translation of each sentence of a tokenized corpus, in its order."""
-    n_best = translate_ids(model, corpus.src, tokenizer, cfg, device)
+    n_best = translate_ids(model, corpus.src, tokenizer, cfg, device, precision=precision)
     return tokenizer.decode([hyps[0].tokens for hyps in n_best])
