@@ -15,7 +15,7 @@ Arguments (key=value, as for train.py):
                       favour longer translations.
     metric=bleu       what chooses: bleu (cased), bleu_lc (lowercased) or chrf
     output=PATH       the JSON of every score; default: <checkpoint>.<split>.decoding.json
-    decode.*          the other decoding settings (max_len_a, max_len_b, min_len, max_tokens, precision)
+    decode.*          the other decoding settings (max_len_a, max_len_b, min_len, max_tokens); runtime.precision
 
 Ties go to the smaller beam, then to the penalty listed first.
 """
