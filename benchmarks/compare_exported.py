@@ -16,7 +16,9 @@ search runs at each of length_penalties, passed to both as their length_penalty:
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
 the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds` times, the four
 taking turns; the seconds are medians of the decoding alone (no loading), and sentences/s is
-sentences / seconds. Prints a table and writes JSON to output= if given.
+sentences / seconds. With shortlist=true, each of ours and CTranslate2's also runs with the run's
+lexical shortlist (decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
+Prints a table and writes JSON to output= if given.
 Needs ctranslate2.
 """
 
@@ -38,8 +40,9 @@ from transformer.cli import parse_args
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
 from transformer.decoding.engine import Engine, Sentence
+from transformer.decoding.shortlist import shortlist_path
 from transformer.devices import limit_isa
-from transformer.errors import exit_on_user_error
+from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
 from transformer.interop.export import export, length_limits, require_ctranslate2, search_options
@@ -60,6 +63,7 @@ class CompareConfig:
     reference: bool = True  # also decode with runtime=reference (the model as written): ours fp32 must equal it
     isa: Optional[str] = None  # e.g. avx2: every library limited to that instruction set (transformer/devices.py)
     ct2_batch: int = 64  # CTranslate2's max_batch_size (sentences), as a user would set it
+    shortlist: bool = False  # also each decoder with the run's shortlist (scripts/build_shortlist.py)
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -73,7 +77,10 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     require_ctranslate2()  # a clear error before any work when it is missing
     fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     tokenizer = fp32.tokenizer
-    export(fp32.model, tokenizer, directory, "float32")
+    vmap = shortlist_path(Path(cfg.checkpoint))
+    if cfg.shortlist and not vmap.is_file():
+        raise ConfigError(f"shortlist=true needs {vmap}: build it with python scripts/build_shortlist.py checkpoint={cfg.checkpoint}")  # fmt: skip
+    export(fp32.model, tokenizer, directory, "float32", shortlist=vmap if cfg.shortlist else None)
     threads = torch.get_num_threads()
     limit = fp32.model.cfg.max_positions
 
@@ -103,7 +110,16 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
         runs["ours fp32 reference"] = ours(reference)
     runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8)}
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
+    if cfg.shortlist:  # the run's shortlist: ours with decode.shortlist, CTranslate2 with use_vmap
+        runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours int8", "ctranslate2 float32", "ctranslate2 int8")}  # fmt: skip
     return runs, tokenizer, limit
+
+
+def with_shortlist(run):
+    """The decoder `run` with decode.shortlist=true (CTranslate2: use_vmap=True)."""
+    if isinstance(run, ChildCTranslate2):
+        return dataclasses.replace(run, shortlist=True)
+    return lambda src, dc: run(src, dataclasses.replace(dc, shortlist=True))
 
 
 def in_process(decode):
@@ -121,11 +137,12 @@ class ChildCTranslate2:
     tokenizer: object
     max_positions: int
     batch: int
+    shortlist: bool = False  # use_vmap=True
 
     def __call__(self, sources: list[list[int]], dc: DecodeConfig) -> tuple[float, list[list[int]]]:
         limit = max(length_limits(sources, dc, self.max_positions))
         tok = self.tokenizer
-        options = search_options(dc, tok.id_to_piece(tok.pad_id))
+        options = search_options(dataclasses.replace(dc, shortlist=self.shortlist), tok.id_to_piece(tok.pad_id))
         options |= dict(max_decoding_length=limit - 1, max_batch_size=self.batch, batch_type="examples")
         pieces = [[tok.source.id_to_piece(t) for t in s] for s in sources]
         seconds, hypotheses = CTranslate2InChild(self.directory, self.compute_type, self.threads, pieces, options)()

@@ -10,8 +10,9 @@ Arguments (key=value):
                         a float32 export can still be loaded with compute_type=int8 or bfloat16)
     overwrite=false
 
-The directory holds model.bin, config.json, the vocabularies, the SentencePiece model(s) and a
-README.md with usage. Needs the ctranslate2 package (pip install -e '.[export]'). Models with
+The directory holds model.bin, config.json, the vocabularies, the SentencePiece model(s), the
+run's lexical shortlist as vmap.txt when it has one (scripts/build_shortlist.py), and a README.md
+with usage. Needs the ctranslate2 package (pip install -e '.[export]'). Models with
 an attention variant CTranslate2 cannot express (model.attention.kind other than standard) are refused.
 """
 
@@ -23,8 +24,16 @@ from pathlib import Path
 
 from transformer.checkpoint import direction, directions_of, language_pair, load_model
 from transformer.cli import parse_args
+from transformer.decoding.shortlist import shortlist_path
 from transformer.errors import exit_on_user_error
-from transformer.interop.export import QUANTIZATIONS, check_exportable, check_output_dir, export, require_ctranslate2
+from transformer.interop.export import (
+    QUANTIZATIONS,
+    VOCABULARY_MAP,
+    check_exportable,
+    check_output_dir,
+    export,
+    require_ctranslate2,
+)
 
 
 @dataclass
@@ -50,8 +59,11 @@ def main(argv: list[str]) -> None:
         note = f"Exported from {cfg.checkpoint} (step {payload.get('step')}"
         ways = directions_of(payload.get("train_config"))
         note += f", {direction(pair)}).\n" if pair else f", {len(ways)} directions: {', '.join(ways)}).\n" if ways else ").\n"  # fmt: skip
-        export(model, tokenizer, output, cfg.quantization, note)
-        print(f"exported {cfg.checkpoint} to {output} ({cfg.quantization})")
+        shortlist = shortlist_path(Path(cfg.checkpoint))
+        shortlist = shortlist if shortlist.is_file() else None
+        export(model, tokenizer, output, cfg.quantization, note, shortlist)
+        vmap = f", with {shortlist} as {VOCABULARY_MAP} for use_vmap=True" if shortlist else ""
+        print(f"exported {cfg.checkpoint} to {output} ({cfg.quantization}{vmap})")
 
 
 if __name__ == "__main__":

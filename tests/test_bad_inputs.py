@@ -212,7 +212,16 @@ CASES = [
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/short.en ref={d}/ref.en", "line counts differ: {d}/short.en has 1 lines, {d}/ref.en has 2", {"short.en": b"A dog.\n"}),  # fmt: skip
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en", "missing ref=... (see --help)"),
     Case("scripts/compare_systems.py", "baseline={d}/ref.en system={d}/ref.en ref={d}/ref.en seed=0", "seed=0 must be >= 1"),  # fmt: skip
-    # 8. options the chosen mode has no use for: refused, not ignored (even at their default value)
+    # 8. a lexical shortlist that is missing, damaged or asked of the wrong command
+    Case(T, f"{CKPT} decode.shortlist=true", "decode.shortlist=true needs a shortlist beside the checkpoint ({d}/shortlist.tsv does not exist)", stdin=SRC),  # fmt: skip
+    Case(E, f"{SCORE} decode.shortlist=true", "{d}/shortlist.tsv, line 1: not `source piece<TAB>target pieces`", {"shortlist.tsv": b"garbage\n"}),  # fmt: skip
+    Case(T, f"{CKPT} decode.shortlist=true", "{d}/shortlist.tsv, line 2: piece '▁Zyzzyva' is not in the model's vocabulary", {"shortlist.tsv": "\t.\n▁Zyzzyva\t.\n".encode()}, stdin=SRC),  # fmt: skip
+    Case("scripts/build_shortlist.py", f"{CKPT} source={{d}}/src.de", "give both source= and target=, or neither"),
+    Case("scripts/build_shortlist.py", f"{CKPT} output={{d}}/ref.en", "output={d}/ref.en exists: give overwrite=true to replace it"),  # fmt: skip
+    Case("scripts/build_shortlist.py", f"{CKPT} output={{d}}/model.pt overwrite=true", "output={d}/model.pt is an existing checkpoint"),  # fmt: skip
+    Case("scripts/build_shortlist.py", f"{CKPT} source={{d}}/src.de target={{d}}/short.en", "line counts differ", {"short.en": b"A dog.\n"}),  # fmt: skip
+    Case("scripts/build_shortlist.py", "checkpoint={d}/no_train_config.pt", "{d}/no_train_config.pt does not say what it was trained on"),  # fmt: skip
+    # 9. options the chosen mode has no use for: refused, not ignored (even at their default value)
     Case(T, f"{CKPT} scheduler=continuous chunk_lines=2000", "it cannot be used with chunk_lines=", stdin=SRC),
     Case(E, f"{CKPT} all_directions=true compare={{d}}/ref.en", "it cannot be used with compare="),
     Case(E, f"{CKPT} all_directions=true output={{d}}/out.hyp", "it cannot be used with output="),

@@ -47,6 +47,10 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # speed paths: runtime=fast|reference
     init_from: Optional[str] = None  # a checkpoint to fine-tune: its weights, architecture and tokenizer
 
+    def __post_init__(self) -> None:
+        if self.decode.shortlist:  # built from a trained run (scripts/build_shortlist.py), so not while training
+            raise ValueError("decode.shortlist=true is for decoding with a trained checkpoint (translate.py, evaluate.py, serve.py), not for train.py")  # fmt: skip
+
 
 def register_schema() -> None:
     """Store Config in Hydra's ConfigStore as `schema`, the first entry of configs/config.yaml's

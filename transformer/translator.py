@@ -30,6 +30,7 @@ from .decoding.alignment import align_translations
 from .decoding.config import SchedulerConfig
 from .decoding.engine import Engine, unsupported_settings
 from .decoding.inputs import encode_prefixes
+from .decoding.shortlist import Shortlist, ShortlistModel, shortlist_path
 from .decoding.strategies import empty_n_best
 from .decoding.stream import translate_stream
 from .devices import pick_device
@@ -57,6 +58,8 @@ class Translator:
         self.directions = directions_of(self.payload.get("train_config"))
         self.lock = threading.Lock()
         self.fallback: str | None = None  # why scheduler=continuous was not used when asked for (continuous_engine)
+        self.shortlist: Shortlist | None = None  # read from shortlist_file when decode.shortlist first asks
+        self.shortlist_file: Path | None = None  # beside the checkpoint (set by load)
 
     @classmethod
     def load(
@@ -89,7 +92,11 @@ class Translator:
         int8 = runtime.precision == "int8"
         models = [accelerate(m, runtime, int8) for m in [model] + [m for m, _, _ in others]]
         model = models[0] if len(models) == 1 else Ensemble(models)
-        return cls(model, tokenizer, device, decode, payload, runtime.precision)
+        translator = cls(model, tokenizer, device, decode, payload, runtime.precision)
+        translator.shortlist_file = shortlist_path(Path(checkpoint))
+        if decode.shortlist:
+            translator.decoding_model(decode)  # a missing shortlist stops here, before any input is read
+        return translator
 
     @classmethod
     def of_training(cls, model, tokenizer, decode: DecodeConfig, precision: str = "fp32") -> Translator:
@@ -145,10 +152,25 @@ class Translator:
         """`settings`, or this Translator's."""
         return settings or self.decode
 
+    def decoding_model(self, cfg: DecodeConfig):
+        """The model the searches decode with these settings: with decode.shortlist, narrowed to
+        each batch's shortlist candidates (decoding/shortlist.py)."""
+        if not cfg.shortlist:
+            return self.model
+        if self.shortlist is None:
+            if self.shortlist_file is None or not self.shortlist_file.is_file():
+                where = f" ({self.shortlist_file} does not exist)" if self.shortlist_file else ""
+                raise ConfigError(f"decode.shortlist=true needs a shortlist beside the checkpoint{where}: build it with python scripts/build_shortlist.py checkpoint=PATH")  # fmt: skip
+            self.shortlist = Shortlist.load(self.shortlist_file, self.tokenizer)
+            log.info("shortlist %s: %d frequent target pieces and up to %d per source piece", self.shortlist_file, len(self.shortlist.fixed), self.shortlist.best)  # fmt: skip
+        t = self.tokenizer
+        return ShortlistModel(self.model, self.shortlist, (t.eos_id, t.unk_id, t.bos_id))
+
     def translate_ids(self, sources: list[list[int]], settings=None, progress=None, prefixes=None, constraints=None):
         """n-best lists (Hypothesis) of token-id sentences, in input order (decoding/corpus.py)."""
+        cfg = self.chosen(settings)
         with self.lock:
-            return decoding.translate_ids(self.model, sources, self.tokenizer, self.chosen(settings), self.device, progress, prefixes, constraints, self.precision)  # fmt: skip
+            return decoding.translate_ids(self.decoding_model(cfg), sources, self.tokenizer, cfg, self.device, progress, prefixes, constraints, self.precision)  # fmt: skip
 
     def score_ids(self, sources: list[list[int]], targets: list[list[int]], settings=None) -> list[list[float]]:
         """Each target's log-probability per token, its EOS last, given its source, in input order
@@ -170,9 +192,9 @@ class Translator:
         """n-best lists of texts in input order; an empty text gets empty hypotheses. Warnings name
         texts[0] as line `first_line` of source_name. prefixes / constraints: decoding/inputs.py.
         tgt_lang: the target language of a many-to-many model (target_tag)."""
-        tag = self.target_tag(tgt_lang)
+        tag, cfg = self.target_tag(tgt_lang), self.chosen(settings)
         with self.lock:
-            return decoding.translate_texts(self.model, texts, self.tokenizer, self.chosen(settings), self.device, progress, source_name, first_line, prefixes, constraints, tag, self.precision)  # fmt: skip
+            return decoding.translate_texts(self.decoding_model(cfg), texts, self.tokenizer, cfg, self.device, progress, source_name, first_line, prefixes, constraints, tag, self.precision)  # fmt: skip
 
     def translate(self, texts: list[str], settings=None, progress=None, source_name="input", tgt_lang=None) -> list[str]:  # fmt: skip
         """The best translation of each text, in input order; empty texts give empty translations."""
@@ -181,8 +203,9 @@ class Translator:
 
     def translate_corpus(self, corpus, settings=None) -> list[str]:
         """The best translation of each sentence of a tokenized corpus (batching.TokenizedCorpus)."""
+        cfg = self.chosen(settings)
         with self.lock:
-            return decoding.translate_corpus(self.model, corpus, self.tokenizer, self.chosen(settings), self.device, self.precision)  # fmt: skip
+            return decoding.translate_corpus(self.decoding_model(cfg), corpus, self.tokenizer, cfg, self.device, self.precision)  # fmt: skip
 
     def align(self, texts: list[str], n_best: list[list[Hypothesis]], settings=None) -> list[list[str]]:
         """Each hypothesis's word alignment to its source, as i-j pairs (decoding/alignment.py)."""

@@ -31,6 +31,7 @@ class DecodeConfig:
     seed: int = 1  # sampling
     mbr: str = "none"  # beam: rerank the beam_size finished hypotheses by expected chrf or bleu (mbr.py)
     mbr_weights: str = "model"  # mbr: weigh the pseudo-references by the model's probabilities, or uniform
+    shortlist: bool = False  # restrict the output layer to the shortlist beside the checkpoint (shortlist.py)
     alignment: bool = False  # translate.py: each translation, TAB, its word links i-j (alignment.py)
     alignment_layer: int = -1  # the decoder layer whose cross-attention aligns (negative: from the last)
 

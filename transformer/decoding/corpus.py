@@ -20,6 +20,7 @@ from .constrained import constrained_beam_search
 from .inputs import encode_constraints, encode_prefixes
 from .mbr import rerank
 from .search import Hypothesis
+from .shortlist import ShortlistModel
 from .strategies import STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -30,11 +31,23 @@ def decode_batch(
 ) -> list[list[Hypothesis]]:
     """One padded batch with the configured strategy: n-best lists (one hypothesis unless it ranks
     a beam); with a target prefix (batch, prefix_len; -1 after its end), each starts with its own;
-    with constraints (per sentence, its phrases as token ids), constrained beam search."""
+    with constraints (per sentence, its phrases as token ids), constrained beam search. A model
+    with a shortlist (shortlist.py) is narrowed to this batch's candidates first."""
+    if isinstance(model, ShortlistModel):
+        model = model.for_batch(src, wanted_ids(prefix, constraints))
     if constraints is not None and any(constraints):
         return constrained_beam_search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, constraints)
     search = STRATEGIES[cfg.strategy].search
     return search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, generator, prefix)
+
+
+def wanted_ids(prefix: Tensor | None, constraints) -> Tensor | None:
+    """The target ids a batch's prefixes and constraints ask for (-1 where a prefix has ended)."""
+    phrases = [t for phrases in constraints or [] for phrase in phrases for t in phrase]
+    if prefix is None and not phrases:
+        return None
+    ids = torch.tensor(phrases, dtype=torch.long)
+    return ids if prefix is None else torch.cat([prefix.flatten().cpu(), ids])
 
 
 def translate_ids(

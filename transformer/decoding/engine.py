@@ -386,4 +386,6 @@ def unsupported_settings(decode: DecodeConfig) -> str | None:
         return f"decode.strategy={decode.strategy}: continuous batching runs greedy and beam search"
     if decode.mbr != "none":
         return f"decode.mbr={decode.mbr} reranks whole n-best lists"
+    if decode.shortlist:
+        return "decode.shortlist=true narrows the output layer per batch, and the engine's batch changes every step"
     return None

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 QUANTIZATIONS = ("float32", "int8", "int8_float32", "bfloat16")
 SOURCE_MODEL, TARGET_MODEL = "spm.src.model", "spm.model"  # a joint vocabulary has spm.model alone
+VOCABULARY_MAP = "vmap.txt"  # CTranslate2 reads a vocabulary map under this name
 
 
 def require_ctranslate2():
@@ -197,9 +198,10 @@ def check_output_dir(path: str | Path, overwrite: bool) -> Path:
     return path
 
 
-def export(model: Transformer, tokenizer: Tokenizer, output: Path, quantization: str, note: str = "") -> None:
+def export(model: Transformer, tokenizer: Tokenizer, output: Path, quantization: str, note: str = "", shortlist: Path | None = None) -> None:  # fmt: skip
     """Write the CTranslate2 model directory `output` (checked by check_output_dir): built in a
-    temporary directory beside it and renamed into place, so a failure leaves nothing half-written."""
+    temporary directory beside it and renamed into place, so a failure leaves nothing half-written.
+    A `shortlist` (decoding/shortlist.py) goes in as the vocabulary map, vmap.txt (use_vmap=True)."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization={quantization} is not one of {QUANTIZATIONS}")
     spec = build_spec(model, tokenizer)
@@ -211,7 +213,9 @@ def export(model: Transformer, tokenizer: Tokenizer, output: Path, quantization:
         (tmp / TARGET_MODEL).write_bytes(tokenizer.model_bytes)
         if tokenizer.source_bytes is not None:  # a separate vocabulary, or an imported model's source model
             (tmp / SOURCE_MODEL).write_bytes(tokenizer.source_bytes)
-        (tmp / "README.md").write_text(usage_note(tokenizer, quantization, note))
+        if shortlist is not None:
+            shutil.copyfile(shortlist, tmp / VOCABULARY_MAP)
+        (tmp / "README.md").write_text(usage_note(tokenizer, quantization, note, shortlist is not None))
         replace_dir(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -229,7 +233,7 @@ def replace_dir(new: Path, output: Path) -> None:
         shutil.rmtree(old)
 
 
-def usage_note(tokenizer: Tokenizer, quantization: str, note: str) -> str:
+def usage_note(tokenizer: Tokenizer, quantization: str, note: str, vmap: bool = False) -> str:
     source = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
     pad, start = tokenizer.id_to_piece(tokenizer.pad_id), tokenizer.id_to_piece(tokenizer.bos_id)
     tags = {lang: tokenizer.source.id_to_piece(i) for lang, i in sorted(tokenizer.target_tags.items())}
@@ -255,13 +259,20 @@ results = translator.translate_batch(pieces, beam_size=5, max_decoding_length=64
 print(tgt.decode(results[0].hypotheses[0]))
 ```
 
-Decoding as our `translate.py` does, up to length normalization: `transformer.interop.export.translate_ids`.
+{VMAP_NOTE if vmap else ""}Decoding as our `translate.py` does, up to length normalization: `transformer.interop.export.translate_ids`.
 CTranslate2 divides a beam's log-probability by length ** length_penalty, not by GNMT's
 ((5 + length) / 6) ** alpha; at 0 both rank by log-probability alone.
 """
 
 
 # --- Decoding with CTranslate2 under our settings -------------------------------------------------
+
+
+VMAP_NOTE = f"""The lexical shortlist of the checkpoint's run (scripts/build_shortlist.py) is `{VOCABULARY_MAP}`:
+`translate_batch(..., use_vmap=True)` restricts each batch's output layer to it, as our
+`decode.shortlist=true` does.
+
+"""
 
 
 def search_options(cfg: DecodeConfig, pad_piece: str) -> dict:
@@ -276,6 +287,7 @@ def search_options(cfg: DecodeConfig, pad_piece: str) -> dict:
         min_decoding_length=cfg.min_len,
         suppress_sequences=[[pad_piece]],
         max_input_length=0,
+        use_vmap=cfg.shortlist,
     )
 
 

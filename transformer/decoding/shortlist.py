@@ -1,0 +1,210 @@
+"""A lexical shortlist: the output layer restricted, per batch, to the target pieces its sources
+are likely to translate into (as Marian's lexical shortlist and CTranslate2's vocabulary map).
+
+The shortlist lists, for each source piece, the `best` target pieces it most likely translates
+into, and the `first` most frequent target pieces, which every batch may use. Built from the
+training pairs by IBM Model 1 (Brown et al. 1993): a few rounds of EM over p(target | source)
+with every target piece of a pair explained by one of its source pieces or by none.
+
+A batch's candidates are the frequent pieces, each source piece's translations, the special
+tokens and whatever a target prefix or a constraint asks for. `Shortlisted` is a decoding model
+(the interface of decoding/__init__.py) whose logits outside the candidates are -inf: the
+model's own decoder runs, and only the output projection is cut to the candidates' rows. The
+file is CTranslate2's vocabulary map (`source piece TAB target pieces`, the empty key holding
+the frequent pieces), so our decoder and the export read one list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..data.corpus import DataError
+
+FILE_NAME = "shortlist.tsv"  # beside the checkpoint, read by Translator.load and copied by the export
+
+
+def shortlist_path(checkpoint: Path) -> Path:
+    """Where the shortlist of a checkpoint's run lives: one per run directory, since it depends on
+    the training data and the tokenizer, not on the weights."""
+    return Path(checkpoint).with_name(FILE_NAME)
+
+
+@dataclass
+class Shortlist:
+    """fixed: (n,) target ids every batch may use; table: (source vocab, best) each source id's
+    target ids, -1 where it has fewer."""
+
+    fixed: Tensor
+    table: Tensor
+
+    @property
+    def best(self) -> int:
+        return self.table.size(1)
+
+    def candidates(self, src: Tensor, always: Iterable[int] = (), extra: Tensor | None = None) -> Tensor:
+        """The sorted target ids a batch may produce: src (batch, src_len) source ids -> the fixed
+        pieces, each source id's translations, `always` (the special tokens) and `extra` (prefix
+        or constraint ids; negative entries ignored)."""
+        parts = [self.fixed, self.table[src.unique().cpu()].flatten(), torch.tensor(list(always), dtype=torch.long)]
+        if extra is not None:
+            parts.append(extra.flatten().cpu())
+        ids = torch.cat(parts)
+        return ids[ids >= 0].unique().to(src.device)
+
+    def save(self, path: Path, source_piece: Callable[[int], str], target_piece: Callable[[int], str]) -> None:
+        """Write CTranslate2's vocabulary map: `source piece TAB its target pieces`, one line per
+        source piece, the first line's empty key holding the frequent pieces."""
+        lines = ["\t" + " ".join(target_piece(int(t)) for t in self.fixed)]
+        for s, row in enumerate(self.table.tolist()):
+            targets = [target_piece(t) for t in row if t >= 0]
+            if targets:
+                lines.append(f"{source_piece(s)}\t{' '.join(targets)}")
+        Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: Path, tokenizer) -> Shortlist:
+        """Read a vocabulary map written by `save` for this tokenizer's pieces; a line that is not
+        `piece TAB pieces`, or a piece the model does not know, stops with its line number."""
+        source, fixed, rows = tokenizer.source, [], {}
+        for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            key, tab, values = line.partition("\t")
+            if not tab:
+                raise DataError(f"{path}, line {number}: not `source piece<TAB>target pieces`")
+            targets = [known(tokenizer, piece, path, number) for piece in values.split()]
+            if key == "":
+                fixed.extend(targets)
+            else:
+                rows[known(source, key, path, number)] = targets
+        best = max((len(t) for t in rows.values()), default=0)
+        table = torch.full((len(source), max(best, 1)), -1, dtype=torch.long)
+        for s, targets in rows.items():
+            table[s, : len(targets)] = torch.tensor(targets, dtype=torch.long)
+        return cls(torch.tensor(sorted(set(fixed)), dtype=torch.long), table)
+
+
+def known(tokenizer, piece: str, path: Path, number: int) -> int:
+    """The id of `piece`, which the tokenizer must know (a shortlist built for another model does not)."""
+    i = tokenizer.piece_to_id(piece)
+    if tokenizer.id_to_piece(i) != piece:
+        raise DataError(f"{path}, line {number}: piece {piece!r} is not in the model's vocabulary (built for another model?)")  # fmt: skip
+    return i
+
+
+def build(
+    sources: Sequence[Sequence[int]],
+    targets: Sequence[Sequence[int]],
+    src_vocab: int,
+    tgt_vocab: int,
+    first: int = 100,
+    best: int = 50,
+    rounds: int = 5,
+    skip: Iterable[int] = (),
+) -> Shortlist:
+    """A shortlist from tokenized training pairs: the `first` most frequent target ids and, for
+    each source id, its `best` target ids by IBM Model 1's p(target | source) after `rounds` of
+    EM. Ids in `skip` (the special tokens, target tags) are left out of both sides."""
+    skip = set(skip)
+    null = src_vocab  # the source "piece" a target piece is explained by when no real one is
+    src_ids, tgt_ids, groups, pair_src = [], [], [], []
+    group = 0
+    for s, t in zip(sources, targets):
+        s = np.array([i for i in s if i not in skip] + [null], dtype=np.int64)
+        t = np.array([i for i in t if i not in skip], dtype=np.int64)
+        if len(t) == 0:
+            continue
+        src_ids.append(np.tile(s, len(t)))  # every (target position, source piece) of the pair
+        tgt_ids.append(np.repeat(t, len(s)))
+        groups.append(np.repeat(np.arange(group, group + len(t)), len(s)))
+        pair_src.append(s)
+        group += len(t)
+    if not src_ids:
+        raise DataError("no training pair has a target piece to build a shortlist from")
+    src, tgt, grp = (torch.from_numpy(np.concatenate(a)) for a in (src_ids, tgt_ids, groups))
+    keys, link = torch.unique(src * tgt_vocab + tgt, return_inverse=True)  # one (source, target) entry each
+    key_src, key_tgt = keys // tgt_vocab, keys % tgt_vocab
+    prob = torch.full((len(keys),), 1.0 / tgt_vocab, dtype=torch.float64)  # p(t | s), uniform at first
+    for _ in range(rounds):
+        p = prob[link]
+        per_target = torch.zeros(group, dtype=torch.float64).index_add_(0, grp, p)
+        counts = torch.zeros(len(keys), dtype=torch.float64).index_add_(0, link, p / per_target[grp])
+        totals = torch.zeros(src_vocab + 1, dtype=torch.float64).index_add_(0, key_src, counts)
+        prob = counts / totals[key_src]
+    frequency = torch.bincount(torch.from_numpy(np.concatenate([np.unique(t) for t in tgt_ids])), minlength=tgt_vocab)
+    fixed = frequency.topk(min(first, int((frequency > 0).sum()))).indices.sort().values
+    table = torch.full((src_vocab, best), -1, dtype=torch.long)
+    order = torch.argsort(key_src * 2.0 - prob, stable=True)  # by source id, then most probable first
+    key_src, key_tgt = key_src[order], key_tgt[order]
+    starts = torch.searchsorted(key_src, torch.arange(src_vocab + 1))
+    for s in range(src_vocab):
+        row = key_tgt[starts[s] : starts[s + 1]][:best]
+        table[s, : len(row)] = row
+    return Shortlist(fixed, table)
+
+
+class ShortlistModel:
+    """A decoding model (a Transformer or an ensemble) with a shortlist: decode_batch narrows it to
+    each batch's candidates (`for_batch`); decoded as a whole it is the model itself (scoring)."""
+
+    def __init__(self, model, shortlist: Shortlist, always: Iterable[int]):
+        self.model, self.cfg, self.shortlist, self.always = model, model.cfg, shortlist, tuple(always)
+        for member in getattr(model, "models", [model]):
+            if member.output is not None and not hasattr(member.output, "weight"):
+                raise ValueError("decode.shortlist needs the output layer's weights: an int8 untied output layer has none")  # fmt: skip
+
+    def eval(self) -> ShortlistModel:
+        self.model.eval()
+        return self
+
+    def encode(self, src: Tensor, src_mask: Tensor):
+        return self.model.encode(src, src_mask)
+
+    def new_state(self):
+        return self.model.new_state()
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, state=None):
+        return self.model.decode(tgt, memory, src_mask, state)
+
+    def for_batch(self, src: Tensor, extra: Tensor | None = None):
+        """The model restricted to the candidates of the batch of sources src (batch, src_len)."""
+        candidates = self.shortlist.candidates(src, self.always, extra)
+        members = getattr(self.model, "models", None)
+        if members is None:
+            return Shortlisted(self.model, candidates)
+        return type(self.model)([Shortlisted(m, candidates) for m in members])
+
+
+class Shortlisted:
+    """A decoding model whose next-token logits outside `candidates` (sorted target ids) are -inf:
+    the model decodes as always, and its output projection runs only the candidates' rows."""
+
+    def __init__(self, model, candidates: Tensor):
+        self.model, self.cfg, self.candidates = model, model.cfg, candidates
+        self.weight = model.output_weight.detach().index_select(0, candidates)  # (candidates, d_model)
+        bias = getattr(model.output, "bias", None) if model.output is not None else None
+        if model.logits_bias is not None:
+            bias = model.logits_bias if bias is None else bias + model.logits_bias
+        self.bias = None if bias is None else bias.detach().index_select(0, candidates)
+
+    def eval(self) -> Shortlisted:
+        self.model.eval()
+        return self
+
+    def encode(self, src: Tensor, src_mask: Tensor):
+        return self.model.encode(src, src_mask)
+
+    def new_state(self):
+        return self.model.new_state()
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, state=None, need_weights: bool = False):
+        hidden, weights = self.model.decode(tgt, memory, src_mask, state, need_weights, project=False)
+        logits = F.linear(hidden, self.weight, self.bias)  # (batch, len, candidates)
+        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), -math.inf)
+        return full.index_copy_(-1, self.candidates, logits), weights
