@@ -78,7 +78,8 @@ def test_candidates_keep_their_logits_and_the_rest_are_ruled_out(tiny, corpus, r
     with torch.no_grad():
         memory, _ = model.encode(src, mask[:, None, None, :])
         full, _ = model.decode(tgt, memory, mask[:, None, None, :])
-        cut, _ = Shortlisted(model, candidates).decode(tgt, memory, mask[:, None, None, :])
+        shortlisted = Shortlisted(model, candidates[None])
+        cut, _ = shortlisted.decode(tgt, memory, mask[:, None, None, :], shortlisted.new_state())
     torch.testing.assert_close(cut[..., candidates], full[..., candidates])
     others = torch.ones(full.size(-1), dtype=torch.bool).index_fill_(0, candidates, False)
     assert bool((cut[..., others] == -math.inf).all())
@@ -100,6 +101,20 @@ def test_greedy_within_the_candidates_is_unchanged_and_beam_stays_within_them(ti
     for hyps in translate_ids(ShortlistModel(model, narrow, specials(tokenizer)), sources, tokenizer, DecodeConfig(), "cpu"):  # fmt: skip
         assert set(hyps[0].tokens) <= allowed
         assert set(hyps[0].tokens) <= set(used[: len(used) // 2]) | set(specials(tokenizer))
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_a_sentence_translates_alike_alone_and_among_others(tiny, corpus, strategy):
+    """Each sentence keeps its own candidates: the batch's other sentences, whose candidates
+    differ, do not widen them. (Decoding them all with the union of their candidates fails.)"""
+    model, tokenizer = tiny
+    de, en = corpus[0], corpus[1]
+    shortlist = build(tokenizer.source.encode(de), tokenizer.encode(en), len(tokenizer), len(tokenizer), first=10, best=3)  # fmt: skip
+    shortlisted = ShortlistModel(model, shortlist, specials(tokenizer))
+    sources, cfg = tokenizer.source.encode(de[:12]), DecodeConfig(strategy=strategy)
+    together = [h[0].tokens for h in translate_ids(shortlisted, sources, tokenizer, cfg, "cpu")]
+    alone = [translate_ids(shortlisted, [s], tokenizer, cfg, "cpu")[0][0].tokens for s in sources]
+    assert together == alone
 
 
 def test_prefixes_and_constraints_reach_beyond_the_shortlist(tiny, corpus):

@@ -42,12 +42,14 @@ def decode_batch(
 
 
 def wanted_ids(prefix: Tensor | None, constraints) -> Tensor | None:
-    """The target ids a batch's prefixes and constraints ask for (-1 where a prefix has ended)."""
-    phrases = [t for phrases in constraints or [] for phrase in phrases for t in phrase]
-    if prefix is None and not phrases:
+    """(batch, n) the target ids each sentence's prefix and constraints ask for, -1 elsewhere."""
+    phrases = [[t for phrase in sentence for t in phrase] for sentence in constraints or []]
+    if prefix is None and not any(phrases):
         return None
-    ids = torch.tensor(phrases, dtype=torch.long)
-    return ids if prefix is None else torch.cat([prefix.flatten().cpu(), ids])
+    wanted = [] if prefix is None else [prefix.cpu()]
+    if any(phrases):
+        wanted.append(pad(phrases, -1))
+    return torch.cat(wanted, dim=1)
 
 
 def translate_ids(

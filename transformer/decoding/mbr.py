@@ -17,14 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from sacrebleu.metrics import BLEU, CHRF
-
 from .config import MBR_UTILITIES as UTILITIES
 from .config import MBR_WEIGHTS as WEIGHTS
 
 
 def utility(name: str) -> Callable[[str, str], float]:
     """Sentence-level `name`(hypothesis, reference) on sacreBLEU's 0-100 scale."""
+    from sacrebleu.metrics import BLEU, CHRF  # here, not at the top: a plain translation never needs it (start-up)
+
     if name == "chrf":
         metric = CHRF()
     elif name == "bleu":

@@ -1,17 +1,19 @@
-"""A lexical shortlist: the output layer restricted, per batch, to the target pieces its sources
-are likely to translate into (as Marian's lexical shortlist and CTranslate2's vocabulary map).
+"""A lexical shortlist: the output layer restricted, sentence by sentence, to the target pieces its
+source is likely to translate into (as Marian's lexical shortlist and CTranslate2's vocabulary map).
 
 The shortlist lists, for each source piece, the `best` target pieces it most likely translates
-into, and the `first` most frequent target pieces, which every batch may use. Built from the
+into, and the `first` most frequent target pieces, which every sentence may use. Built from the
 training pairs by IBM Model 1 (Brown et al. 1993): a few rounds of EM over p(target | source)
 with every target piece of a pair explained by one of its source pieces or by none.
 
-A batch's candidates are the frequent pieces, each source piece's translations, the special
-tokens and whatever a target prefix or a constraint asks for. `Shortlisted` is a decoding model
-(the interface of decoding/__init__.py) whose logits outside the candidates are -inf: the
-model's own decoder runs, and only the output projection is cut to the candidates' rows. The
-file is CTranslate2's vocabulary map (`source piece TAB target pieces`, the empty key holding
-the frequent pieces), so our decoder and the export read one list.
+A sentence's candidates are the frequent pieces, its source pieces' translations, the special
+tokens and whatever its target prefix or constraints ask for. `Shortlisted` is a decoding model
+(the interface of decoding/__init__.py) whose logits outside a sentence's candidates are -inf:
+the model's own decoder runs, and only the output projection is cut to the rows the batch's
+sentences need. Marian and CTranslate2 give every sentence of a batch the union of the batch's
+candidates, so a translation there can change with its batch-mates; here it cannot. The file is
+CTranslate2's vocabulary map (`source piece TAB target pieces`, the empty key holding the
+frequent pieces), so our decoder and the export read one list.
 """
 
 from __future__ import annotations
@@ -49,15 +51,16 @@ class Shortlist:
     def best(self) -> int:
         return self.table.size(1)
 
-    def candidates(self, src: Tensor, always: Iterable[int] = (), extra: Tensor | None = None) -> Tensor:
-        """The sorted target ids a batch may produce: src (batch, src_len) source ids -> the fixed
-        pieces, each source id's translations, `always` (the special tokens) and `extra` (prefix
-        or constraint ids; negative entries ignored)."""
-        parts = [self.fixed, self.table[src.unique().cpu()].flatten(), torch.tensor(list(always), dtype=torch.long)]
+    def candidates(self, src: Tensor, always: Iterable[int] = (), extra: Tensor | None = None) -> list[Tensor]:
+        """Each sentence's sorted target ids: src (batch, src_len) source ids -> per sentence the
+        frequent pieces, its source pieces' translations, `always` (the special tokens) and its row
+        of `extra` (batch, n): its prefix's and its constraints' ids, negative entries ignored."""
+        table = self.table[src.cpu()].flatten(1)  # (batch, src_len * best)
+        parts = [table, self.fixed.expand(len(src), -1), torch.tensor(list(always), dtype=torch.long).expand(len(src), -1)]  # fmt: skip
         if extra is not None:
-            parts.append(extra.flatten().cpu())
-        ids = torch.cat(parts)
-        return ids[ids >= 0].unique().to(src.device)
+            parts.append(extra.cpu())
+        rows = torch.cat(parts, dim=1)
+        return [row[row >= 0].unique() for row in rows]
 
     def save(self, path: Path, source_piece: Callable[[int], str], target_piece: Callable[[int], str]) -> None:
         """Write CTranslate2's vocabulary map: `source piece TAB its target pieces`, one line per
@@ -151,7 +154,7 @@ def build(
 
 class ShortlistModel:
     """A decoding model (a Transformer or an ensemble) with a shortlist: decode_batch narrows it to
-    each batch's candidates (`for_batch`); decoded as a whole it is the model itself (scoring)."""
+    each batch's sentences' candidates (`for_batch`); decoded as a whole it is the model itself."""
 
     def __init__(self, model, shortlist: Shortlist, always: Iterable[int]):
         self.model, self.cfg, self.shortlist, self.always = model, model.cfg, shortlist, tuple(always)
@@ -173,25 +176,59 @@ class ShortlistModel:
         return self.model.decode(tgt, memory, src_mask, state)
 
     def for_batch(self, src: Tensor, extra: Tensor | None = None):
-        """The model restricted to the candidates of the batch of sources src (batch, src_len)."""
-        candidates = self.shortlist.candidates(src, self.always, extra)
+        """The model restricted, sentence by sentence, to the candidates of the sources src
+        (batch, src_len) and of their prefixes and constraints `extra` (batch, n)."""
+        candidates = candidate_table(self.shortlist.candidates(src, self.always, extra), self.cfg.vocab_size)
+        candidates = candidates.to(src.device)
         members = getattr(self.model, "models", None)
         if members is None:
             return Shortlisted(self.model, candidates)
         return type(self.model)([Shortlisted(m, candidates) for m in members])
 
 
+def candidate_table(candidates: list[Tensor], vocab_size: int) -> Tensor:
+    """(sentences, most candidates) ids, each row padded with vocab_size (a column that is dropped)."""
+    table = torch.full((len(candidates), max(len(c) for c in candidates)), vocab_size, dtype=torch.long)
+    for i, ids in enumerate(candidates):
+        table[i, : len(ids)] = ids
+    return table
+
+
+@dataclass
+class ShortlistState:
+    """The model's decoding state, and which input sentence each sentence still decoded is."""
+
+    state: object
+    live: Tensor  # (sentences still in the batch,) their numbers in the batch as it began
+
+    def reorder(self, index: Tensor, sources: Tensor | None = None) -> None:
+        self.state.reorder(index, sources)
+        self.live = self.live[(index if sources is None else sources).to(self.live.device)]
+
+    def reorder_targets(self, index: Tensor) -> None:
+        self.state.reorder_targets(index)
+
+
 class Shortlisted:
-    """A decoding model whose next-token logits outside `candidates` (sorted target ids) are -inf:
-    the model decodes as always, and its output projection runs only the candidates' rows."""
+    """A decoding model whose next-token logits outside each sentence's candidates are -inf, so a
+    sentence's translation does not depend on the sentences batched with it. The model decodes
+    as always; its output projection runs only the rows of the output weight that some sentence
+    of the batch has among its candidates, and each row's logits outside its own sentence's are
+    then ruled out. candidates: (sentences, n) ids, padded with vocab_size."""
 
     def __init__(self, model, candidates: Tensor):
-        self.model, self.cfg, self.candidates = model, model.cfg, candidates
-        self.weight = model.output_weight.detach().index_select(0, candidates)  # (candidates, d_model)
+        self.model, self.cfg = model, model.cfg
+        vocab = self.cfg.vocab_size
+        union = candidates.unique()
+        self.union = union[union < vocab]  # (u,) sorted
+        self.weight = model.output_weight.detach().index_select(0, self.union)  # (u, d_model)
         bias = getattr(model.output, "bias", None) if model.output is not None else None
         if model.logits_bias is not None:
             bias = model.logits_bias if bias is None else bias + model.logits_bias
-        self.bias = None if bias is None else bias.detach().index_select(0, candidates)
+        self.bias = None if bias is None else bias.detach().index_select(0, self.union)
+        place = torch.searchsorted(self.union, candidates).masked_fill(candidates >= vocab, len(self.union))
+        allowed = torch.zeros(len(candidates), len(self.union) + 1, dtype=torch.bool, device=candidates.device)
+        self.ruled_out = ~allowed.scatter_(1, place, True)[:, :-1]  # (sentences, u)
 
     def eval(self) -> Shortlisted:
         self.model.eval()
@@ -200,11 +237,16 @@ class Shortlisted:
     def encode(self, src: Tensor, src_mask: Tensor):
         return self.model.encode(src, src_mask)
 
-    def new_state(self):
-        return self.model.new_state()
+    def new_state(self) -> ShortlistState:
+        return ShortlistState(self.model.new_state(), torch.arange(len(self.ruled_out), device=self.union.device))
 
-    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, state=None, need_weights: bool = False):
-        hidden, weights = self.model.decode(tgt, memory, src_mask, state, need_weights, project=False)
-        logits = F.linear(hidden, self.weight, self.bias)  # (batch, len, candidates)
+    def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, state: ShortlistState, need_weights: bool = False):
+        hidden, weights = self.model.decode(tgt, memory, src_mask, state.state, need_weights, project=False)
+        rows, sentences = hidden.size(0), len(state.live)  # each sentence's rows are consecutive (its beams)
+        if rows % sentences:
+            raise ValueError(f"{rows} rows do not divide into {sentences} sentences")
+        logits = F.linear(hidden, self.weight.to(hidden.dtype), self.bias)  # (rows, len, u)
+        ruled_out = self.ruled_out[state.live].repeat_interleave(rows // sentences, dim=0)  # (rows, u)
+        logits = logits.masked_fill(ruled_out[:, None], -math.inf)
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), -math.inf)
-        return full.index_copy_(-1, self.candidates, logits), weights
+        return full.index_copy_(-1, self.union, logits), weights
