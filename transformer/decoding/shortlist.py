@@ -229,6 +229,7 @@ class Shortlisted:
         place = torch.searchsorted(self.union, candidates).masked_fill(candidates >= vocab, len(self.union))
         allowed = torch.zeros(len(candidates), len(self.union) + 1, dtype=torch.bool, device=candidates.device)
         self.ruled_out = ~allowed.scatter_(1, place, True)[:, :-1]  # (sentences, u)
+        self.mask, self.mask_of = None, None  # (live sentences, 1, u): 0 or -inf, for the live sentences `mask_of`
 
     def eval(self) -> Shortlisted:
         self.model.eval()
@@ -246,7 +247,9 @@ class Shortlisted:
         if rows % sentences:
             raise ValueError(f"{rows} rows do not divide into {sentences} sentences")
         logits = F.linear(hidden, self.weight.to(hidden.dtype), self.bias)  # (rows, len, u)
-        ruled_out = self.ruled_out[state.live].repeat_interleave(rows // sentences, dim=0)  # (rows, u)
-        logits = logits.masked_fill(ruled_out[:, None], -math.inf)
+        if self.mask_of is not state.live:  # the live sentences changed: their masks, once
+            ruled_out = self.ruled_out[state.live][:, None]
+            self.mask, self.mask_of = torch.zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf), state.live
+        logits.view(sentences, -1, logits.size(-1)).add_(self.mask.to(logits.dtype))  # each row's sentence's
         full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), -math.inf)
         return full.index_copy_(-1, self.union, logits), weights
