@@ -20,7 +20,10 @@ def tokenizer():
     return Tokenizer.train(SENTENCES, vocab_size=36, model_type="unigram")
 
 
-def test_round_trip_gives_identical_outputs(tmp_path, tokenizer):
+@pytest.mark.parametrize("options", [{}, {"positional": "rope", "tie_output": False}, {"positional": "learned", "output_bias": True}])  # fmt: skip
+def test_round_trip_gives_identical_outputs(tmp_path, tokenizer, options):
+    """The loaded model, built without drawing random weights (initialization_skipped), has every
+    weight and buffer of the saved one, position tables included; torch.nn.init draws again after."""
     torch.manual_seed(0)
     model = Transformer(
         ModelConfig(
@@ -31,6 +34,7 @@ def test_round_trip_gives_identical_outputs(tmp_path, tokenizer):
             n_heads=2,
             d_ff=32,
             n_kv_heads=1,
+            **options,
         )
     ).eval()
     path = tmp_path / "model.pt"
@@ -39,6 +43,9 @@ def test_round_trip_gives_identical_outputs(tmp_path, tokenizer):
     src, tgt = torch.randint(4, len(tokenizer), (2, 5)), torch.randint(4, len(tokenizer), (2, 4))
     with torch.no_grad():
         torch.testing.assert_close(loaded(src, tgt), model(src, tgt), rtol=0, atol=0)
+    for (name, theirs), (_, ours) in zip(model.named_buffers(), loaded.named_buffers(), strict=True):
+        assert torch.equal(ours, theirs), name
+    assert not torch.equal(torch.nn.init.normal_(torch.zeros(8)), torch.zeros(8))
     assert loaded.cfg == model.cfg and payload["step"] == 7 and payload["train_config"] == {"seed": 1}
     assert loaded_tokenizer.encode(SENTENCES[:2]) == tokenizer.encode(SENTENCES[:2])
     assert not list(tmp_path.glob(".*.tmp"))  # the temporary file was renamed into place
