@@ -230,6 +230,7 @@ class Shortlisted:
         allowed = torch.zeros(len(candidates), len(self.union) + 1, dtype=torch.bool, device=candidates.device)
         self.ruled_out = ~allowed.scatter_(1, place, True)[:, :-1]  # (sentences, u)
         self.mask, self.mask_of = None, None  # (live sentences, 1, u): 0 or -inf, for the live sentences `mask_of`
+        self.full = None  # the logits decode returns, reused from step to step (callers read them, never write)
 
     def eval(self) -> Shortlisted:
         self.model.eval()
@@ -251,5 +252,8 @@ class Shortlisted:
             ruled_out = self.ruled_out[state.live][:, None]
             self.mask, self.mask_of = torch.zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf), state.live
         logits.view(sentences, -1, logits.size(-1)).add_(self.mask.to(logits.dtype))  # each row's sentence's
-        full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), -math.inf)
+        shape = (*logits.shape[:-1], self.cfg.vocab_size)
+        if self.full is None or self.full.dtype != logits.dtype or self.full.numel() < math.prod(shape):
+            self.full = logits.new_full((math.prod(shape),), -math.inf)  # written at the union's columns only
+        full = self.full[: math.prod(shape)].view(shape)  # the first rows: the columns outside stay -inf
         return full.index_copy_(-1, self.union, logits), weights
