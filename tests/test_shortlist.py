@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from transformer.data.corpus import DataError
-from transformer.decoding import DecodeConfig, translate_ids
+from transformer.decoding import DecodeConfig, Ensemble, translate_ids
 from transformer.decoding.shortlist import Shortlist, Shortlisted, ShortlistModel, build
 from transformer.fast import accelerate
 from transformer.runtime import RuntimeConfig
@@ -115,6 +115,22 @@ def test_a_sentence_translates_alike_alone_and_among_others(tiny, corpus, strate
     together = [h[0].tokens for h in translate_ids(shortlisted, sources, tokenizer, cfg, "cpu")]
     alone = [translate_ids(shortlisted, [s], tokenizer, cfg, "cpu")[0][0].tokens for s in sources]
     assert together == alone
+
+
+def test_an_ensemble_decodes_within_each_sentences_candidates(tiny, corpus):
+    """Each member's projection is cut to the same candidates; with a list that holds the
+    ensemble's own greedy translations, they are unchanged."""
+    model, tokenizer = tiny
+    ensemble = Ensemble([model, copy.deepcopy(model)])
+    sources, greedy = tokenizer.source.encode(corpus[0][:8]), DecodeConfig(strategy="greedy")
+    full = [h[0].tokens for h in translate_ids(ensemble, sources, tokenizer, greedy, "cpu")]
+    used = sorted({t for tokens in full for t in tokens})
+    shortlist = Shortlist(torch.tensor(used), torch.full((len(tokenizer), 1), -1))
+    shortlisted = ShortlistModel(ensemble, shortlist, specials(tokenizer))
+    assert [h[0].tokens for h in translate_ids(shortlisted, sources, tokenizer, greedy, "cpu")] == full
+    narrow = ShortlistModel(ensemble, Shortlist(torch.tensor(used[::2]), shortlist.table), specials(tokenizer))
+    for hyps in translate_ids(narrow, sources, tokenizer, DecodeConfig(), "cpu"):
+        assert set(hyps[0].tokens) <= set(used[::2]) | set(specials(tokenizer))
 
 
 def test_prefixes_and_constraints_reach_beyond_the_shortlist(tiny, corpus):
