@@ -163,6 +163,9 @@ def test_commands_build_use_and_export_the_shortlist(trained, tmp_path, capsys, 
         assert run_main("translate.py", argv, source, monkeypatch) == 0
         assert len((tmp_path / f"{scheduler}.en").read_text().splitlines()) == 2
     assert "decode.shortlist=true narrows the output layer per batch" in caplog.text
+    assert run_main("evaluate.py", [f"checkpoint={checkpoint}", "decode.shortlist=true"], b"", monkeypatch) == 0
+    assert "beam5-shortlist" in capsys.readouterr().out  # its own file: the full vocabulary's is not overwritten
+    assert (trained / "checkpoint_best.test_2016_flickr.beam5-shortlist.hyp").is_file()
     pytest.importorskip("ctranslate2")
     assert run_main("scripts/export_ctranslate2.py", [f"checkpoint={checkpoint}", f"output={tmp_path}/ct2"], b"", monkeypatch) == 0  # fmt: skip
     assert (tmp_path / "ct2" / "vmap.txt").read_bytes() == (trained / "shortlist.tsv").read_bytes()

@@ -74,10 +74,13 @@ class DecodeConfig:
 
     @property
     def label(self) -> str:
-        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample."""
+        """A short name for file names and reports: greedy, beam5, beam5-mbr-chrf, sample;
+        -shortlist at the end with decode.shortlist (evaluate.py's output does not overwrite the
+        full vocabulary's)."""
+        shortlist = "-shortlist" if self.shortlist else ""
         if not self.ranks:
-            return self.strategy
-        return f"{self.strategy}{self.beam_size}" + (f"-mbr-{self.mbr}" if self.mbr != "none" else "")
+            return self.strategy + shortlist
+        return f"{self.strategy}{self.beam_size}" + (f"-mbr-{self.mbr}" if self.mbr != "none" else "") + shortlist
 
 
 SCHEDULERS = ("batch", "continuous")
