@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..data.corpus import DataError
+from ..errors import ConfigError
 
 FILE_NAME = "shortlist.tsv"  # beside the checkpoint, read by Translator.load and copied by the export
 
@@ -160,7 +160,7 @@ class ShortlistModel:
         self.model, self.cfg, self.shortlist, self.always = model, model.cfg, shortlist, tuple(always)
         for member in getattr(model, "models", [model]):
             if member.output is not None and not hasattr(member.output, "weight"):
-                raise ValueError("decode.shortlist needs the output layer's weights: an int8 untied output layer has none")  # fmt: skip
+                raise ConfigError("decode.shortlist needs the output layer's weights: an int8 untied output layer has none")  # fmt: skip
 
     def eval(self) -> ShortlistModel:
         self.model.eval()
@@ -221,11 +221,7 @@ class Shortlisted:
         vocab = self.cfg.vocab_size
         union = candidates.unique()
         self.union = union[union < vocab]  # (u,) sorted
-        self.weight = model.output_weight.detach().index_select(0, self.union)  # (u, d_model)
-        bias = getattr(model.output, "bias", None) if model.output is not None else None
-        if model.logits_bias is not None:
-            bias = model.logits_bias if bias is None else bias + model.logits_bias
-        self.bias = None if bias is None else bias.detach().index_select(0, self.union)
+        self.project = model.vocabulary_projection(self.union)  # (rows, len, d_model) -> (rows, len, u)
         place = torch.searchsorted(self.union, candidates).masked_fill(candidates >= vocab, len(self.union))
         allowed = torch.zeros(len(candidates), len(self.union) + 1, dtype=torch.bool, device=candidates.device)
         self.ruled_out = ~allowed.scatter_(1, place, True)[:, :-1]  # (sentences, u)
@@ -247,7 +243,7 @@ class Shortlisted:
         rows, sentences = hidden.size(0), len(state.live)  # each sentence's rows are consecutive (its beams)
         if rows % sentences:
             raise ValueError(f"{rows} rows do not divide into {sentences} sentences")
-        logits = F.linear(hidden, self.weight.to(hidden.dtype), self.bias)  # (rows, len, u)
+        logits = self.project(hidden)  # (rows, len, u)
         if self.mask_of is not state.live:  # the live sentences changed: their masks, once
             ruled_out = self.ruled_out[state.live][:, None]
             self.mask, self.mask_of = torch.zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf), state.live

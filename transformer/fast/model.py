@@ -46,6 +46,15 @@ class FastTransformer(Transformer):
         onednn = onednn_now(self.onednn, self.onednn_inference)
         return linear(x, self.embed.embed.weight, self.logits_bias, self.tied_packed, onednn=onednn)
 
+    def vocabulary_projection(self, ids: Tensor):
+        """The tied projection's rows `ids` on oneDNN, their weight packed once for the batch."""
+        if self.output is not None:
+            return super().vocabulary_projection(ids)
+        weight = self.embed.embed.weight.detach().index_select(0, ids)
+        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        packed, onednn = PackedWeight(), onednn_now(self.onednn, self.onednn_inference)
+        return lambda x: linear(x, weight, bias, packed, onednn=onednn)
+
     def new_state(self) -> DecoderState:
         """A decoding state whose caches grow in place (fast/cache.py)."""
         return DecoderState(new_cache=functools.partial(FastKeyValueCache, self.fp32_cross))

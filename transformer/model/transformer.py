@@ -288,6 +288,14 @@ class Transformer(nn.Module):
         logits = F.linear(x, self.embed.embed.weight) if self.output is None else self.output(x)
         return logits if self.logits_bias is None else logits + self.logits_bias
 
+    def vocabulary_projection(self, ids: Tensor):
+        """The output projection cut to the target ids `ids` (u,): a function (batch, len, d_model)
+        -> (batch, len, u) logits, the columns `ids` of `project`'s (a lexical shortlist's,
+        decoding/shortlist.py). Made once per batch of sentences."""
+        weight = self.output_weight.detach().index_select(0, ids)
+        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        return lambda x: F.linear(x, weight, bias)
+
     @property
     def output_weight(self) -> Tensor:
         """The output projection's (vocab, d_model) weight: the embedding's when tied."""
