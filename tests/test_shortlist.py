@@ -13,6 +13,7 @@ import torch
 from transformer.data.corpus import DataError
 from transformer.decoding import DecodeConfig, Ensemble, translate_ids
 from transformer.decoding.shortlist import Shortlist, Shortlisted, ShortlistModel, build
+from transformer.errors import ConfigError
 from transformer.fast import accelerate
 from transformer.runtime import RuntimeConfig
 
@@ -131,6 +132,15 @@ def test_an_ensemble_decodes_within_each_sentences_candidates(tiny, corpus):
     narrow = ShortlistModel(ensemble, Shortlist(torch.tensor(used[::2]), shortlist.table), specials(tokenizer))
     for hyps in translate_ids(narrow, sources, tokenizer, DecodeConfig(), "cpu"):
         assert set(hyps[0].tokens) <= set(used[::2]) | set(specials(tokenizer))
+
+
+def test_an_output_layer_without_weights_is_refused_with_a_reason(corpus):
+    """An int8 untied output layer keeps its weights packed for oneDNN, so no rows can be cut."""
+    model, tokenizer = trained_model(corpus, {"tie_output": False}, steps=1)
+    model.output = torch.nn.Identity()  # as Int8Linear, it has no `weight`
+    empty = Shortlist(torch.tensor([5]), torch.full((len(tokenizer), 1), -1))
+    with pytest.raises(ConfigError, match="an int8 untied output layer has none"):
+        ShortlistModel(model, empty, specials(tokenizer))
 
 
 def test_prefixes_and_constraints_reach_beyond_the_shortlist(tiny, corpus):
