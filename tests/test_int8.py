@@ -230,6 +230,22 @@ def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast):
     assert (got - expected).norm() <= 0.05 * expected.norm()
 
 
+@pytest.mark.usefixtures("int8_is_fast")
+@pytest.mark.parametrize("fast", [True, False])
+def test_an_int8_projection_cut_to_some_rows_gives_those_rows_logits(fast):
+    """vocabulary_projection (a shortlist's) of an int8 tied projection: each row keeps its own
+    weight scale and each input row its own, so the cut's logits are the whole projection's columns."""
+    if exact_weight_levels() is None:
+        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+    torch.manual_seed(0)
+    int8 = quantize_int8(make_model("fast" if fast else "reference", tie_output=True), fast)
+    assert isinstance(int8.int8_output, Int8Linear)
+    ids = torch.tensor([3, 5, 8, 13, 21, 34])
+    x = torch.randn(2, 3, int8.cfg.d_model)
+    with torch.no_grad():
+        torch.testing.assert_close(int8.vocabulary_projection(ids)(x), int8.project(x)[..., ids], rtol=1e-6, atol=1e-6)
+
+
 def test_a_timing_is_taken_once_per_machine_and_kept(monkeypatch, tmp_path, caplog):
     """The speed check's timing of a layer shape is kept on disk: a later process (a busy machine,
     whose timing would say otherwise) makes the same choice; another shape, another instruction-set

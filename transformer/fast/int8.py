@@ -105,7 +105,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, weight_levels: int = ROW_SCALE, inputs: SharedInputs | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.weight_levels = linear.in_features, linear.out_features, weight_levels
         weight, w_scale = quantize_rows(linear.weight.detach().float(), weight_levels)
         self.register_buffer("w_scale", w_scale.flatten().contiguous())  # (out,)
         self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32))
@@ -267,6 +267,15 @@ class Int8TiedOutput:
     def project(self, x: Tensor) -> Tensor:
         logits = self.int8_output(x)
         return logits if self.logits_bias is None else logits + self.logits_bias
+
+    def vocabulary_projection(self, ids: Tensor):
+        """The rows `ids` of the int8 projection, quantized for the batch as the whole one is (one
+        scale per row, so each logit is the whole projection's)."""
+        rows = nn.Linear(self.cfg.d_model, len(ids), bias=False)
+        rows.weight = nn.Parameter(self.embed.embed.weight.detach().index_select(0, ids), requires_grad=False)
+        layer = Int8Linear(rows, self.int8_output.weight_levels)
+        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        return layer if bias is None else (lambda x: layer(x) + bias)
 
 
 @functools.cache
