@@ -246,7 +246,7 @@ class Shortlisted:
         logits = self.project(hidden)  # (rows, len, u)
         if self.mask_of is not state.live:  # the live sentences changed: their masks, once
             ruled_out = self.ruled_out[state.live][:, None]
-            self.mask, self.mask_of = torch.zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf), state.live
+            self.mask, self.mask_of = torch.zeros(ruled_out.shape, device=ruled_out.device).masked_fill_(ruled_out, -math.inf), state.live  # fmt: skip
         logits.view(sentences, -1, logits.size(-1)).add_(self.mask.to(logits.dtype))  # each row's sentence's
         shape = (*logits.shape[:-1], self.cfg.vocab_size)
         if self.full is None or self.full.dtype != logits.dtype or self.full.numel() < math.prod(shape):
