@@ -116,7 +116,7 @@ def build(
     EM. Ids in `skip` (the special tokens, target tags) are left out of both sides."""
     skip = set(skip)
     null = src_vocab  # the source "piece" a target piece is explained by when no real one is
-    src_ids, tgt_ids, groups, pair_src = [], [], [], []
+    src_ids, tgt_ids, groups = [], [], []
     group = 0
     for s, t in zip(sources, targets):
         s = np.array([i for i in s if i not in skip] + [null], dtype=np.int64)
@@ -126,7 +126,6 @@ def build(
         src_ids.append(np.tile(s, len(t)))  # every (target position, source piece) of the pair
         tgt_ids.append(np.repeat(t, len(s)))
         groups.append(np.repeat(np.arange(group, group + len(t)), len(s)))
-        pair_src.append(s)
         group += len(t)
     if not src_ids:
         raise DataError("no training pair has a target piece to build a shortlist from")
@@ -246,8 +245,9 @@ class Shortlisted:
         logits = self.project(hidden)  # (rows, len, u)
         if self.mask_of is not state.live:  # the live sentences changed: their masks, once
             ruled_out = self.ruled_out[state.live][:, None]
-            self.mask, self.mask_of = torch.zeros(ruled_out.shape, device=ruled_out.device).masked_fill_(ruled_out, -math.inf), state.live  # fmt: skip
-        logits.view(sentences, -1, logits.size(-1)).add_(self.mask.to(logits.dtype))  # each row's sentence's
+            self.mask = logits.new_zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf)
+            self.mask_of = state.live
+        logits.view(sentences, -1, logits.size(-1)).add_(self.mask)  # each row's sentence's
         shape = (*logits.shape[:-1], self.cfg.vocab_size)
         if self.full is None or self.full.dtype != logits.dtype or self.full.numel() < math.prod(shape):
             self.full = logits.new_full((math.prod(shape),), -math.inf)  # written at the union's columns only

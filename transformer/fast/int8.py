@@ -271,10 +271,10 @@ class Int8TiedOutput:
     def vocabulary_projection(self, ids: Tensor):
         """The rows `ids` of the int8 projection, quantized for the batch as the whole one is (one
         scale per row, so each logit is the whole projection's)."""
+        weight, bias = self.vocabulary_rows(ids)  # the tied embedding's rows: output_weight
         rows = nn.Linear(self.cfg.d_model, len(ids), bias=False)
-        rows.weight = nn.Parameter(self.embed.embed.weight.detach().index_select(0, ids), requires_grad=False)
+        rows.weight = nn.Parameter(weight, requires_grad=False)
         layer = Int8Linear(rows, self.int8_output.weight_levels)
-        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
         return layer if bias is None else (lambda x: layer(x) + bias)
 
 

@@ -50,8 +50,7 @@ class FastTransformer(Transformer):
         """The tied projection's rows `ids` on oneDNN, their weight packed once for the batch."""
         if self.output is not None:
             return super().vocabulary_projection(ids)
-        weight = self.embed.embed.weight.detach().index_select(0, ids)
-        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        weight, bias = self.vocabulary_rows(ids)
         packed, onednn = PackedWeight(), onednn_now(self.onednn, self.onednn_inference)
         return lambda x: linear(x, weight, bias, packed, onednn=onednn)
 

@@ -292,9 +292,13 @@ class Transformer(nn.Module):
         """The output projection cut to the target ids `ids` (u,): a function (batch, len, d_model)
         -> (batch, len, u) logits, the columns `ids` of `project`'s (a lexical shortlist's,
         decoding/shortlist.py). Made once per batch of sentences."""
-        weight = self.output_weight.detach().index_select(0, ids)
-        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        weight, bias = self.vocabulary_rows(ids)
         return lambda x: F.linear(x, weight, bias)
+
+    def vocabulary_rows(self, ids: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The output weight's rows `ids` (u, d_model) and the logits bias's entries (u,), if any."""
+        bias = None if self.logits_bias is None else self.logits_bias.detach().index_select(0, ids)
+        return self.output_weight.detach().index_select(0, ids), bias
 
     @property
     def output_weight(self) -> Tensor:
