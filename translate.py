@@ -55,7 +55,7 @@ from transformer.errors import exit_on_user_error
 from transformer.files import atomic_open, check_output
 from transformer.monitoring import progress_bar
 from transformer.runtime import RuntimeConfig
-from transformer.translator import Translator
+from transformer.translator import Translator, output_lines
 
 log = logging.getLogger("translate")
 
@@ -129,18 +129,6 @@ def warn_if_target_language(path: str | None, translator: Translator) -> None:
     pair = language_pair(translator.payload.get("train_config"))
     if pair and file_language(path) == pair[1] and pair[1] not in pair[0]:
         log.warning("input=%s looks like %s, the language the checkpoint translates into (%s)", path, pair[1], direction(pair))  # fmt: skip
-
-
-def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int = 0, alignments=None) -> list[str]:
-    """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation, where
-    n_best[0] is input `first` (counted from 0); with alignments, each translation is followed by
-    <TAB> and its i-j word alignment."""
-    texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in n_best]
-    if alignments is not None:
-        texts = [[f"{t}\t{a}" for t, a in zip(ts, links)] for ts, links in zip(texts, alignments)]
-    if n == 1:
-        return [ts[0] for ts in texts]
-    return [f"{i}\t{h.score:.4f}\t{t}" for i, (hyps, ts) in enumerate(zip(n_best, texts), first) for h, t in zip(hyps, ts)]  # fmt: skip
 
 
 def translate_chunk(cfg: TranslateConfig, translator: Translator, lines: list[str], bar, name: str, count: int) -> list[str]:  # fmt: skip

@@ -13,6 +13,7 @@ onto, so a key a YAML file leaves out can still be overridden by name.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import typing
@@ -33,7 +34,7 @@ from .decoding.config import SchedulerConfig
 from .errors import ConfigError
 from .model import ModelConfig
 from .runtime import RuntimeConfig
-from .training.config import TrainerConfig
+from .training.config import DistillConfig, TrainerConfig
 
 
 @dataclass
@@ -52,10 +53,35 @@ class Config:
             raise ValueError("decode.shortlist=true is for decoding with a trained checkpoint (translate.py, evaluate.py, serve.py), not for train.py")  # fmt: skip
 
 
+@dataclass
+class DistillRun(Config):
+    """distill.py's config: the student's run (every key of Config, as train.py takes them), its
+    teacher, and the stages' settings."""
+
+    teacher: str = "???"  # the teacher's checkpoint
+    ensemble: list[str] = field(default_factory=list)  # more teacher checkpoints, ensembled with it
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.distill.n_best > self.decode.beam_size:
+            raise ValueError(f"distill.n_best={self.distill.n_best} needs decode.beam_size >= it, not {self.decode.beam_size}")  # fmt: skip
+        if self.distill.n_best > 1 and not self.decode.ranks:
+            raise ValueError(f"distill.n_best={self.distill.n_best} needs beam search (decode.strategy=beam)")
+
+    def student(self, corpus: Path) -> Config:
+        """The student's training config: every key of Config as given, data.dir the distilled corpus."""
+        values = {f.name: getattr(self, f.name) for f in fields(Config)}
+        values["data"] = dataclasses.replace(self.data, dir=str(corpus.resolve()))
+        return Config(**values)
+
+
 def register_schema() -> None:
     """Store Config in Hydra's ConfigStore as `schema`, the first entry of configs/config.yaml's
-    defaults list. Call it before composing (train.py does; so do the tests)."""
+    defaults list, and DistillRun as `distill_schema`, configs/distill.yaml's. Call it before
+    composing (train.py and distill.py do; so do the tests)."""
     ConfigStore.instance().store(name="schema", node=Config)
+    ConfigStore.instance().store(name="distill_schema", node=DistillRun)
 
 
 def to_config(cfg: DictConfig, schema: type = Config):

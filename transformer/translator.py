@@ -334,3 +334,15 @@ def check_precision(precision: str, device: torch.device) -> None:
         raise ConfigError(
             "runtime.precision=int8 needs torch built with oneDNN's quantized linear; this torch has none"
         )
+
+
+def output_lines(n_best: list[list[Hypothesis]], tokenizer, n: int, first: int = 0, alignments=None) -> list[str]:
+    """One line per input (n = 1), or n lines per input: index <TAB> score <TAB> translation, where
+    n_best[0] is input `first` (counted from 0); with alignments, each translation is followed by
+    <TAB> and its i-j word alignment."""
+    texts = [tokenizer.decode([h.tokens for h in hyps]) for hyps in n_best]
+    if alignments is not None:
+        texts = [[f"{t}\t{a}" for t, a in zip(ts, links)] for ts, links in zip(texts, alignments)]
+    if n == 1:
+        return [ts[0] for ts in texts]
+    return [f"{i}\t{h.score:.4f}\t{t}" for i, (hyps, ts) in enumerate(zip(n_best, texts), first) for h, t in zip(hyps, ts)]  # fmt: skip

@@ -96,3 +96,31 @@ class TrainerConfig:
             raise ValueError(f"trainer.label_smoothing={self.label_smoothing} is not in [0, 1)")
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"trainer.betas={list(self.betas)} must be two numbers in [0, 1)")
+
+
+DISTILL_SELECTIONS = ("all", "best")  # distill.select
+
+
+@dataclass
+class DistillConfig:
+    """distill.py's stages (training/distill.py): the teacher translates the training sources with
+    the run's decode settings, the pairs are filtered, and the student trains on them."""
+
+    n_best: int = 1  # teacher translations per source (beam search's n best; at most decode.beam_size)
+    select: str = "all"  # with n_best > 1: all of them, or the best by sentence chrF against the reference
+    max_length_ratio: float = 2.5  # drop pairs whose longer side has more than this many times the other's pieces
+    drop_worst: float = 0.05  # drop this fraction of the pairs with the lowest teacher log-probability per piece
+    references: bool = False  # also train on the original pairs (the references), beside the distilled ones
+    chunk_lines: int = 2000  # sources translated between two saves of the translate stage's progress
+    shortlist: bool = True  # build the student's shortlist (decode.shortlist=true, the export's vmap)
+    overwrite: bool = False  # redo a stage whose saved output came from other inputs (else refused)
+
+    def __post_init__(self) -> None:
+        if self.n_best < 1 or self.chunk_lines < 1:
+            raise ValueError(f"distill.n_best={self.n_best} and distill.chunk_lines={self.chunk_lines} must be >= 1")
+        if self.select not in DISTILL_SELECTIONS:
+            raise ValueError(f"distill.select={self.select!r} is not one of {DISTILL_SELECTIONS}")
+        if not 1.0 <= self.max_length_ratio < math.inf:
+            raise ValueError(f"distill.max_length_ratio={self.max_length_ratio} must be >= 1 and finite")
+        if not 0.0 <= self.drop_worst < 1.0:
+            raise ValueError(f"distill.drop_worst={self.drop_worst} must be a fraction in [0, 1)")
