@@ -131,6 +131,15 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 def test_train_and_the_other_commands_give_the_same_error_for_a_bad_setting(override, needle, model_path, tmp_path):
     errors = [
         error_line(run("train.py", "experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}", override)),
+        error_line(
+            run(
+                "distill.py",
+                f"teacher={model_path}",
+                "experiment=smoke",
+                f"hydra.run.dir={tmp_path / 'distill'}",
+                override,
+            )
+        ),  # fmt: skip
         *(
             error_line(run(f"{name}.py", f"checkpoint={model_path}", override))
             for name in ("translate", "evaluate", "serve")
@@ -140,7 +149,7 @@ def test_train_and_the_other_commands_give_the_same_error_for_a_bad_setting(over
 
 
 def test_every_command_prints_its_config_groups_and_its_composed_config():
-    for name in ("translate.py", "evaluate.py", "serve.py", "scripts/tune_decoding.py", "train.py"):
+    for name in ("translate.py", "evaluate.py", "serve.py", "scripts/tune_decoding.py", "train.py", "distill.py"):
         help_text = run(name, "--help").stdout
         assert "decode: beam, greedy, sample" in help_text.replace("decode: beam, greedy, sample, null", "decode: beam, greedy, sample"), name  # fmt: skip
         assert "runtime: fast, reference" in help_text, name
