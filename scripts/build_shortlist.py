@@ -30,7 +30,7 @@ from typing import Optional
 from transformer.checkpoint import directions_of, language_pair, load_model
 from transformer.cli import parse_args
 from transformer.data.corpus import corpus_file, read_parallel
-from transformer.decoding.shortlist import build, shortlist_path
+from transformer.decoding.shortlist import build_for, shortlist_path
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.files import check_output
 
@@ -85,10 +85,9 @@ def main(argv: list[str]) -> None:
         sources, targets = [], []
         for src_path, tgt_path in files:
             src_text, tgt_text = read_parallel(src_path, tgt_path)
-            sources += tokenizer.source.encode(src_text)
-            targets += tokenizer.encode(tgt_text)
-        specials = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id, *tokenizer.target_tags.values()}  # fmt: skip
-        shortlist = build(sources, targets, len(tokenizer.source), len(tokenizer), cfg.first, cfg.best, cfg.rounds, specials)  # fmt: skip
+            sources += src_text
+            targets += tgt_text
+        shortlist = build_for(tokenizer, sources, targets, cfg.first, cfg.best, cfg.rounds)
         shortlist.save(output, tokenizer.source.id_to_piece, tokenizer.id_to_piece)
         seconds = time.perf_counter() - start
         names = ", ".join(f"{s.name}/{t.name}" for s, t in files)

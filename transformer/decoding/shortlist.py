@@ -151,6 +151,13 @@ def build(
     return Shortlist(fixed, table)
 
 
+def build_for(tokenizer, sources: list[str], targets: list[str], first: int = 100, best: int = 50, rounds: int = 5) -> Shortlist:  # fmt: skip
+    """`build` on parallel text with `tokenizer`'s pieces, its special tokens and target tags left out
+    (scripts/build_shortlist.py and distill.py's shortlist stage)."""
+    specials = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id, *tokenizer.target_tags.values()}  # fmt: skip
+    return build(tokenizer.source.encode(sources), tokenizer.encode(targets), len(tokenizer.source), len(tokenizer), first, best, rounds, specials)  # fmt: skip
+
+
 class ShortlistModel:
     """A decoding model (a Transformer or an ensemble) with a shortlist: decode_batch narrows it to
     each batch's sentences' candidates (`for_batch`); decoded as a whole it is the model itself."""

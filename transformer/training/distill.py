@@ -33,7 +33,7 @@ import torch
 
 from ..checkpoint import direction, language_pair, tokenizer_of
 from ..data.corpus import corpus_file, has_corpus_file, read_lines
-from ..decoding.shortlist import build, shortlist_path
+from ..decoding.shortlist import build_for, shortlist_path
 from ..errors import ConfigError, DataError, TrainingStopped
 from ..files import atomic_write_text
 from ..monitoring import progress_bar
@@ -228,12 +228,13 @@ def filter_pairs(sources, references, translations, scores, tokenizer, cfg) -> t
     cfg.drop_worst fraction of the rest with the lowest scores."""
     counts = dict.fromkeys(("translations", "empty", "copy", "length", "score", "kept", "references"), 0)
     candidates = []
+    if cfg.select == "best":
+        from sacrebleu.metrics import CHRF  # here: only this selection needs sacrebleu
+
+        chrf = CHRF()
     for i, (source, texts, marks) in enumerate(zip(sources, translations, scores)):
         options = list(zip(texts, marks))
         if cfg.select == "best" and len(options) > 1:
-            from sacrebleu.metrics import CHRF
-
-            chrf = CHRF()
             options = [max(options, key=lambda o: chrf.sentence_score(o[0], [references[i]]).score)]
         for text, score in options:
             counts["translations"] += 1
@@ -341,10 +342,9 @@ def shortlist_stage(cfg, teacher: Translator, run_dir: Path, corpus: dict) -> di
     stage.start(lambda: output.unlink(missing_ok=True))
     started = time.monotonic()
     tokenizer, corpus_dir = teacher.tokenizer, run_dir / "corpus"
-    sources = tokenizer.source.encode(read_lines(corpus_dir / f"{cfg.data.train_split}.{cfg.data.src_lang}"))
-    targets = tokenizer.encode(read_lines(corpus_dir / f"{cfg.data.train_split}.{cfg.data.tgt_lang}"))
-    specials = {tokenizer.pad_id, tokenizer.unk_id, tokenizer.bos_id, tokenizer.eos_id}
-    shortlist = build(sources, targets, len(tokenizer.source), len(tokenizer), 100, 50, 5, specials)
+    sources = read_lines(corpus_dir / f"{cfg.data.train_split}.{cfg.data.src_lang}")
+    targets = read_lines(corpus_dir / f"{cfg.data.train_split}.{cfg.data.tgt_lang}")
+    shortlist = build_for(tokenizer, sources, targets)  # scripts/build_shortlist.py's defaults
     shortlist.save(output, tokenizer.source.id_to_piece, tokenizer.id_to_piece)
     manifest = stage.finish([output], time.monotonic() - started)
     report(f"shortlist: {output} in {manifest['seconds']:.1f} s (decode.shortlist=true uses it)")
