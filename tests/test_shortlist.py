@@ -1,6 +1,7 @@
 """The lexical shortlist (transformer/decoding/shortlist.py): IBM Model 1 finds the piece a source
 piece translates into; the file is CTranslate2's vocabulary map and reads back as written; the
-shortlisted model keeps every candidate's logit and rules out the rest; greedy search whose
+shortlisted model keeps every candidate's logit and rules out the rest; searching its candidate
+columns alone equals searching full rows; greedy search whose
 translation lies within the candidates is unchanged; prefixes and constraints reach beyond the
 shortlist; the commands build, use and export it, and refuse it where it cannot be used."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from transformer.data.corpus import DataError
-from transformer.decoding import DecodeConfig, Ensemble, translate_ids
+from transformer.decoding import STRATEGIES, DecodeConfig, Ensemble, translate_ids
 from transformer.decoding.shortlist import Shortlist, Shortlisted, ShortlistModel, build
 from transformer.errors import ConfigError
 from transformer.fast import accelerate
@@ -116,6 +117,33 @@ def test_a_sentence_translates_alike_alone_and_among_others(tiny, corpus, strate
     together = [h[0].tokens for h in translate_ids(shortlisted, sources, tokenizer, cfg, "cpu")]
     alone = [translate_ids(shortlisted, [s], tokenizer, cfg, "cpu")[0][0].tokens for s in sources]
     assert together == alone
+
+
+@pytest.mark.parametrize("ensemble", [False, True], ids=["model", "ensemble"])
+def test_searching_the_candidate_columns_equals_searching_full_rows(tiny, corpus, ensemble):
+    """Narrowed, the logits are the batch's candidates alone (u columns) and greedy search,
+    beam search and a target prefix run on them; the translations and scores are those of full
+    vocabulary rows whose other columns are -inf."""
+    model, tokenizer = tiny
+    model = Ensemble([model, copy.deepcopy(model)]) if ensemble else model
+    de, en = corpus[0], corpus[1]
+    shortlist = build(tokenizer.source.encode(de), tokenizer.encode(en), len(tokenizer), len(tokenizer), first=10, best=3)  # fmt: skip
+    shortlisted = ShortlistModel(model, shortlist, specials(tokenizer))
+    src = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(ids + [tokenizer.eos_id]) for ids in tokenizer.source.encode(de[:12])],
+        batch_first=True,
+        padding_value=tokenizer.pad_id,
+    )
+    prefix = torch.tensor([ids[:2] for ids in tokenizer.encode(en[:12])])
+    narrow, full = shortlisted.for_batch(src, prefix, narrow=True), shortlisted.for_batch(src, prefix, narrow=False)
+    assert narrow.columns is not None and full.columns is None
+    assert len(narrow.columns) < len(tokenizer)
+    for cfg, given in [(DecodeConfig(strategy="greedy"), None), (DecodeConfig(n_best=2), None), (DecodeConfig(), prefix)]:  # fmt: skip
+        search = STRATEGIES[cfg.strategy].search
+        cut, whole = (search(m, src, tokenizer.bos_id, tokenizer.eos_id, cfg, None, given) for m in (narrow, full))
+        assert [[h.tokens for h in n] for n in cut] == [[h.tokens for h in n] for n in whole]
+        torch.testing.assert_close(torch.tensor([[h.score for h in n] for n in cut]), torch.tensor([[h.score for h in n] for n in whole]))  # fmt: skip
+        assert all(h.tokens[:2] == p for n, p in zip(cut, prefix.tolist()) for h in n) or given is None
 
 
 def test_an_ensemble_decodes_within_each_sentences_candidates(tiny, corpus):

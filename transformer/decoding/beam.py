@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..model import padding_mask
-from .processors import length_penalty, log_probs, max_lengths, sentence_done, source_lengths
+from .processors import Columns, length_penalty, log_probs, max_lengths, sentence_done, source_lengths
 from .search import Hypothesis, select, worth_pruning
 
 if TYPE_CHECKING:
@@ -41,23 +41,26 @@ def beam_search(
     host_max_len = max_len.cpu()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
+    columns = Columns.of(model)  # the logits' columns: every token, or a shortlisted model's candidates
+    eos_column, pad_column = columns.column(eos_id), columns.column(pad_id)
     # All k beams of a sentence would start identical, so the first step expands one row per
-    # sentence (unless the vocabulary is too small to give 2k candidates); later steps have k.
-    width = 1 if model.cfg.vocab_size >= 2 * k else k
+    # sentence (unless the vocabulary, or the candidates, are too few to give 2k extensions); later steps have k.
+    width = 1 if columns.count(model.cfg.vocab_size) >= 2 * k else k
     tokens = torch.full((batch * width, 1), bos_id, dtype=torch.long, device=src.device)
     scores = torch.full((batch, width), -math.inf, device=src.device)  # log-probability of each live beam
     scores[:, 0] = 0.0  # with k rows at the first step, only the first one expands
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     sentence = list(range(batch))  # the input sentence of each sentence still in the batch
     done = torch.zeros(batch, dtype=torch.bool)
+    prefix = columns.columns(prefix)
     for step in range(int(host_max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         forcing = bool((step + 1 >= host_max_len).any())
         prefixes = prefix.repeat_interleave(width, dim=0) if prefix is not None and step < prefix.size(1) else None
-        lprobs = log_probs(logits[:, -1], step, max_len.repeat_interleave(width), eos_id, pad_id, cfg.min_len, prefixes, forcing=forcing)  # fmt: skip
+        lprobs = log_probs(logits[:, -1], step, max_len.repeat_interleave(width), eos_column, pad_column, cfg.min_len, prefixes, forcing=forcing)  # fmt: skip
         vocab = lprobs.size(-1)
         top, index = best_extensions(scores, lprobs, 2 * k)  # (sentences, 2k)
-        beam, token = index // vocab, index % vocab
+        beam, token = index // vocab, columns.tokens(index % vocab)
         ends = (token == eos_id) & top.isfinite()
         present = [finished[i] for i in sentence]
         add_finished(present, done, top, beam, ends, tokens, width, cfg)

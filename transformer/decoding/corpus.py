@@ -33,9 +33,10 @@ def decode_batch(
     a beam); with a target prefix (batch, prefix_len; -1 after its end), each starts with its own;
     with constraints (per sentence, its phrases as token ids), constrained beam search. A model
     with a shortlist (shortlist.py) is narrowed to this batch's candidates first."""
-    if isinstance(model, ShortlistModel):
-        model = model.for_batch(src, wanted_ids(prefix, constraints))
-    if constraints is not None and any(constraints):
+    constrained = constraints is not None and any(constraints)
+    if isinstance(model, ShortlistModel):  # constrained search indexes the vocabulary: full rows
+        model = model.for_batch(src, wanted_ids(prefix, constraints), narrow=not constrained)
+    if constrained:
         return constrained_beam_search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, constraints)
     search = STRATEGIES[cfg.strategy].search
     return search(model, src, tokenizer.bos_id, tokenizer.eos_id, cfg, generator, prefix)

@@ -72,6 +72,12 @@ class Ensemble:
         self.models = models
         self.cfg = dataclasses.replace(first, max_positions=min(m.cfg.max_positions for m in models))
 
+    @property
+    def columns(self):
+        """The token id of each logits column (processors.Columns): its members' (one shortlist's
+        candidates for all of them), or None for the whole vocabulary."""
+        return getattr(self.models[0], "columns", None)
+
     def eval(self) -> Ensemble:
         for model in self.models:
             model.eval()

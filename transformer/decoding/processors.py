@@ -14,6 +14,10 @@ Every search (greedy, sampling, beam, constrained beam) and the step-level engin
 Sampling's temperature, top-k and top-p reshape the distribution a token is drawn from, not the
 score it gets: they are the sampler's (search.py). `sentence_done` is the one stopping rule of
 every beam search.
+
+The logits have a column per vocabulary token, or, for a model narrowed to a lexical shortlist's
+candidates (shortlist.py), a column per candidate: `Columns` maps between token ids and columns,
+so a search runs its softmax, arg-max and top-k over the candidates alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,43 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .config import DecodeConfig
     from .search import Hypothesis
+
+
+class Columns:
+    """Which token each column of a model's logits is: every vocabulary id in order (`ids` None),
+    or the sorted ids (u,) of a shortlisted model's candidates (the model's `columns`)."""
+
+    def __init__(self, ids: Tensor | None):
+        self.ids = ids
+
+    @classmethod
+    def of(cls, model) -> Columns:
+        return cls(getattr(model, "columns", None))
+
+    def count(self, vocab_size: int) -> int:
+        """How many columns the logits have."""
+        return vocab_size if self.ids is None else len(self.ids)
+
+    def column(self, token: int) -> int | None:
+        """The column of one token id; None when it has none."""
+        if self.ids is None:
+            return token
+        at = int(torch.searchsorted(self.ids, token))
+        return at if at < len(self.ids) and int(self.ids[at]) == token else None
+
+    def columns(self, tokens: Tensor | None) -> Tensor | None:
+        """Token ids (any shape; -1 for none, as in a padded prefix) -> their columns, -1 kept.
+        Every id given must have a column (a prefix's and constraints' ids are candidates)."""
+        if self.ids is None or tokens is None:
+            return tokens
+        at = torch.searchsorted(self.ids, tokens.clamp(min=0)).clamp(max=len(self.ids) - 1)
+        if bool(((self.ids[at] != tokens) & (tokens >= 0)).any()):
+            raise ValueError("a forced token is not among the model's candidate columns")
+        return torch.where(tokens >= 0, at, tokens)
+
+    def tokens(self, columns: Tensor) -> Tensor:
+        """Columns (any shape) -> the token ids they are."""
+        return columns if self.ids is None else self.ids[columns]
 
 
 def max_lengths(src_lens: Tensor, cfg: DecodeConfig, limit: int, prefix: Tensor | None = None, extra: Tensor | None = None) -> Tensor:  # fmt: skip
@@ -58,7 +99,7 @@ def log_probs(
     step: int | Tensor,
     max_len: Tensor,
     eos_id: int,
-    pad_id: int,
+    pad_id: int | None,
     min_len: int = 0,
     prefix: Tensor | None = None,
     may_not_end: Tensor | None = None,
@@ -67,10 +108,12 @@ def log_probs(
     """Log-probabilities (rows, vocab) of each row's next token under the rules of the module
     docstring. logits (rows, vocab); step: tokens generated so far, one for all rows or (rows,)
     each its own; max_len (rows,); prefix (rows, prefix_len) or None; may_not_end (rows,) or None.
+    eos_id, pad_id and the prefix's ids are columns of `logits` (`Columns`; pad_id None: no column).
     `forcing` says whether any row is at its limit when the caller knows it without waiting for
     the device (None: find out)."""
     lprobs = F.log_softmax(logits.float(), dim=-1)
-    lprobs[:, pad_id] = -math.inf
+    if pad_id is not None:
+        lprobs[:, pad_id] = -math.inf
     out_of_room = step + 1 >= max_len  # (rows,)
     early = step < min_len
     if may_not_end is not None or not isinstance(early, bool) or early:

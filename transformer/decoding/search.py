@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..model import padding_mask
-from .processors import log_probs, max_lengths, source_lengths
+from .processors import Columns, log_probs, max_lengths, source_lengths
 
 if TYPE_CHECKING:
     from .config import DecodeConfig
@@ -51,11 +51,14 @@ def generate(
     its target prefix (batch, prefix_len; -1 after its end) when one is given.
 
     Finished sentences leave the batch (see `worth_pruning`), so later steps only pay for the
-    sentences still being translated."""
+    sentences still being translated. `choose` picks columns of the logits: a shortlisted model's
+    are its candidates (processors.Columns), mapped back to token ids here."""
     src_mask = padding_mask(src, model.cfg.pad_id)
     memory, _ = model.encode(src, src_mask)
     max_len = max_lengths(source_lengths(src_mask), cfg, model.cfg.max_positions - 1, prefix)
     shortest = int(max_len.min())  # no row is out of room before this step (a host copy)
+    columns = Columns.of(model)
+    eos_column, pad_column, prefix = columns.column(eos_id), columns.column(model.cfg.pad_id), columns.columns(prefix)
     tokens = torch.full((src.size(0), 1), bos_id, dtype=torch.long, device=src.device)
     log_prob = torch.zeros(src.size(0), device=src.device)
     done = torch.zeros(src.size(0), dtype=torch.bool, device=src.device)
@@ -65,9 +68,10 @@ def generate(
     for step in range(int(max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         forcing = step + 1 >= shortest
-        lprobs = log_probs(logits[:, -1], step, max_len, eos_id, model.cfg.pad_id, cfg.min_len, prefix, forcing=forcing)
-        next_token = torch.where(done, model.cfg.pad_id, choose(lprobs))
-        log_prob += torch.where(done, 0.0, lprobs.gather(1, next_token[:, None]).squeeze(1))
+        lprobs = log_probs(logits[:, -1], step, max_len, eos_column, pad_column, cfg.min_len, prefix, forcing=forcing)
+        chosen = choose(lprobs)
+        next_token = torch.where(done, model.cfg.pad_id, columns.tokens(chosen))
+        log_prob += torch.where(done, 0.0, lprobs.gather(1, chosen[:, None]).squeeze(1))
         tokens = torch.cat([tokens, next_token[:, None]], dim=1)
         done |= next_token == eos_id
         n_done = int(done.sum())

@@ -10,7 +10,8 @@ A sentence's candidates are the frequent pieces, its source pieces' translations
 tokens and whatever its target prefix or constraints ask for. `Shortlisted` is a decoding model
 (the interface of decoding/__init__.py) whose logits outside a sentence's candidates are -inf:
 the model's own decoder runs, and only the output projection is cut to the rows the batch's
-sentences need. Marian and CTranslate2 give every sentence of a batch the union of the batch's
+sentences need. Greedy search, sampling and beam search then work on those columns alone
+(processors.Columns), as CTranslate2 does with its map. Marian and CTranslate2 give every sentence of a batch the union of the batch's
 candidates, so a translation there can change with its batch-mates; here it cannot. The file is
 CTranslate2's vocabulary map (`source piece TAB target pieces`, the empty key holding the
 frequent pieces), so our decoder and the export read one list.
@@ -181,15 +182,17 @@ class ShortlistModel:
     def decode(self, tgt: Tensor, memory: Tensor, src_mask: Tensor, state=None):
         return self.model.decode(tgt, memory, src_mask, state)
 
-    def for_batch(self, src: Tensor, extra: Tensor | None = None):
+    def for_batch(self, src: Tensor, extra: Tensor | None = None, narrow: bool = True):
         """The model restricted, sentence by sentence, to the candidates of the sources src
-        (batch, src_len) and of their prefixes and constraints `extra` (batch, n)."""
+        (batch, src_len) and of their prefixes and constraints `extra` (batch, n). narrow: its
+        logits have a column per candidate of the batch (`columns`), for the searches that read
+        processors.Columns (greedy, sampling, beam); else a column per vocabulary token."""
         candidates = candidate_table(self.shortlist.candidates(src, self.always, extra), self.cfg.vocab_size)
         candidates = candidates.to(src.device)
         members = getattr(self.model, "models", None)
         if members is None:
-            return Shortlisted(self.model, candidates)
-        return type(self.model)([Shortlisted(m, candidates) for m in members])
+            return Shortlisted(self.model, candidates, narrow)
+        return type(self.model)([Shortlisted(m, candidates, narrow) for m in members])
 
 
 def candidate_table(candidates: list[Tensor], vocab_size: int) -> Tensor:
@@ -220,13 +223,19 @@ class Shortlisted:
     sentence's translation does not depend on the sentences batched with it. The model decodes
     as always; its output projection runs only the rows of the output weight that some sentence
     of the batch has among its candidates, and each row's logits outside its own sentence's are
-    then ruled out. candidates: (sentences, n) ids, padded with vocab_size."""
+    then ruled out. candidates: (sentences, n) ids, padded with vocab_size.
 
-    def __init__(self, model, candidates: Tensor):
+    narrow: the logits are the union's columns alone, (rows, len, u), and `columns` says which
+    token each is (processors.Columns), so the search's softmax, arg-max and top-k read u columns
+    instead of the vocabulary; otherwise they are written into full rows of -inf (for searches
+    that index the vocabulary themselves: constrained beam search)."""
+
+    def __init__(self, model, candidates: Tensor, narrow: bool = False):
         self.model, self.cfg = model, model.cfg
         vocab = self.cfg.vocab_size
         union = candidates.unique()
         self.union = union[union < vocab]  # (u,) sorted
+        self.columns = self.union if narrow else None
         self.project = model.vocabulary_projection(self.union)  # (rows, len, d_model) -> (rows, len, u)
         place = torch.searchsorted(self.union, candidates).masked_fill(candidates >= vocab, len(self.union))
         allowed = torch.zeros(len(candidates), len(self.union) + 1, dtype=torch.bool, device=candidates.device)
@@ -255,6 +264,8 @@ class Shortlisted:
             self.mask = logits.new_zeros(ruled_out.shape).masked_fill_(ruled_out, -math.inf)
             self.mask_of = state.live
         logits.view(sentences, -1, logits.size(-1)).add_(self.mask)  # each row's sentence's
+        if self.columns is not None:
+            return logits, weights
         shape = (*logits.shape[:-1], self.cfg.vocab_size)
         if self.full is None or self.full.dtype != logits.dtype or self.full.numel() < math.prod(shape):
             self.full = logits.new_full((math.prod(shape),), -math.inf)  # written at the union's columns only
