@@ -61,7 +61,16 @@ def test_an_empty_prefix_is_no_prefix_even_beside_other_prefixes(name):
     assert translate_ids(model, sents, IDS, cfg, "cpu", prefixes=[[]] * 12) == plain
     mixed = [p if i % 2 else [] for i, p in enumerate(prefixes(12))]
     with_some = translate_ids(model, sents, IDS, cfg, "cpu", prefixes=mixed)
-    assert [h for i, h in enumerate(with_some) if i % 2 == 0] == [h for i, h in enumerate(plain) if i % 2 == 0]
+    assert_same_translations(with_some[::2], plain[::2])
+
+
+def assert_same_translations(got: list, expected: list) -> None:
+    """The same n-best lists: equal tokens, and scores equal up to fp32 rounding. Beside other
+    prefixes, sentences end at other steps, so the batch's products run on other numbers of rows,
+    and some kernels round those differently (AVX2 on an AVX-512 Xeon: 2e-6 in 17)."""
+    assert [[h.tokens for h in n_best] for n_best in got] == [[h.tokens for h in n_best] for n_best in expected]
+    scores = [torch.tensor([[h.score for h in n_best] for n_best in side]) for side in (got, expected)]
+    torch.testing.assert_close(*scores)
 
 
 def test_forcing_what_greedy_search_chooses_anyway_changes_nothing():
