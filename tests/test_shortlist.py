@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from transformer.data.batching import pad
 from transformer.data.corpus import DataError
 from transformer.decoding import STRATEGIES, DecodeConfig, Ensemble, translate_ids
 from transformer.decoding.shortlist import Shortlist, Shortlisted, ShortlistModel, build
@@ -21,6 +22,7 @@ from transformer.runtime import RuntimeConfig
 from .briefly_trained import multi30k_corpus, trained_model
 from .conftest import RUNTIMES
 from .test_bad_inputs import run_main, trained  # noqa: F401 (trained: a tiny de->en run, a fixture)
+from .test_prefix import assert_same_translations
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +131,7 @@ def test_searching_the_candidate_columns_equals_searching_full_rows(tiny, corpus
     de, en = corpus[0], corpus[1]
     shortlist = build(tokenizer.source.encode(de), tokenizer.encode(en), len(tokenizer), len(tokenizer), first=10, best=3)  # fmt: skip
     shortlisted = ShortlistModel(model, shortlist, specials(tokenizer))
-    src = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(ids + [tokenizer.eos_id]) for ids in tokenizer.source.encode(de[:12])],
-        batch_first=True,
-        padding_value=tokenizer.pad_id,
-    )
+    src = pad([ids + [tokenizer.eos_id] for ids in tokenizer.source.encode(de[:12])], tokenizer.pad_id)
     prefix = torch.tensor([ids[:2] for ids in tokenizer.encode(en[:12])])
     narrow, full = shortlisted.for_batch(src, prefix, narrow=True), shortlisted.for_batch(src, prefix, narrow=False)
     assert narrow.columns is not None and full.columns is None
@@ -141,9 +139,9 @@ def test_searching_the_candidate_columns_equals_searching_full_rows(tiny, corpus
     for cfg, given in [(DecodeConfig(strategy="greedy"), None), (DecodeConfig(n_best=2), None), (DecodeConfig(), prefix)]:  # fmt: skip
         search = STRATEGIES[cfg.strategy].search
         cut, whole = (search(m, src, tokenizer.bos_id, tokenizer.eos_id, cfg, None, given) for m in (narrow, full))
-        assert [[h.tokens for h in n] for n in cut] == [[h.tokens for h in n] for n in whole]
-        torch.testing.assert_close(torch.tensor([[h.score for h in n] for n in cut]), torch.tensor([[h.score for h in n] for n in whole]))  # fmt: skip
-        assert all(h.tokens[:2] == p for n, p in zip(cut, prefix.tolist()) for h in n) or given is None
+        assert_same_translations(cut, whole)
+        if given is not None:
+            assert all(h.tokens[:2] == p for n, p in zip(cut, prefix.tolist()) for h in n)
 
 
 def test_an_ensemble_decodes_within_each_sentences_candidates(tiny, corpus):

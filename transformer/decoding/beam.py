@@ -41,8 +41,7 @@ def beam_search(
     host_max_len = max_len.cpu()
     memory, _ = model.encode(src, src_mask)
     state = model.new_state()
-    columns = Columns.of(model)  # the logits' columns: every token, or a shortlisted model's candidates
-    eos_column, pad_column = columns.column(eos_id), columns.column(pad_id)
+    columns, eos_column, pad_column, prefix = Columns.for_search(model, eos_id, pad_id, prefix)
     # All k beams of a sentence would start identical, so the first step expands one row per
     # sentence (unless the vocabulary, or the candidates, are too few to give 2k extensions); later steps have k.
     width = 1 if columns.count(model.cfg.vocab_size) >= 2 * k else k
@@ -52,7 +51,6 @@ def beam_search(
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
     sentence = list(range(batch))  # the input sentence of each sentence still in the batch
     done = torch.zeros(batch, dtype=torch.bool)
-    prefix = columns.columns(prefix)
     for step in range(int(host_max_len.max())):
         logits, _ = model.decode(tokens[:, -1:], memory, src_mask, state)
         forcing = bool((step + 1 >= host_max_len).any())

@@ -45,6 +45,13 @@ class Columns:
     def of(cls, model) -> Columns:
         return cls(getattr(model, "columns", None))
 
+    @classmethod
+    def for_search(cls, model, eos_id: int, pad_id: int, prefix: Tensor | None) -> tuple:
+        """What a search hands `log_probs`: the model's columns, EOS's and padding's columns and
+        the prefix (batch, prefix_len; -1 after its end) as columns."""
+        columns = cls.of(model)
+        return columns, columns.column(eos_id), columns.column(pad_id), columns.columns(prefix)
+
     def count(self, vocab_size: int) -> int:
         """How many columns the logits have."""
         return vocab_size if self.ids is None else len(self.ids)

@@ -11,8 +11,9 @@ tokens and whatever its target prefix or constraints ask for. `Shortlisted` is a
 (the interface of decoding/__init__.py) whose logits outside a sentence's candidates are -inf:
 the model's own decoder runs, and only the output projection is cut to the rows the batch's
 sentences need. Greedy search, sampling and beam search then work on those columns alone
-(processors.Columns), as CTranslate2 does with its map. Marian and CTranslate2 give every sentence of a batch the union of the batch's
-candidates, so a translation there can change with its batch-mates; here it cannot. The file is
+(processors.Columns), as CTranslate2 does with its map. Marian and CTranslate2 give every
+sentence of a batch the union of the batch's candidates, so a translation there can change with
+its batch-mates; here it cannot. The file is
 CTranslate2's vocabulary map (`source piece TAB target pieces`, the empty key holding the
 frequent pieces), so our decoder and the export read one list.
 """
