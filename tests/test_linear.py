@@ -63,6 +63,37 @@ def test_the_packed_inference_weight_follows_every_change_of_the_weight():
         torch.testing.assert_close(clone(x), layer(x))
 
 
+@pytest.mark.skipif(not AVAILABLE, reason="this torch has no oneDNN")
+def test_inference_products_go_where_they_were_timed_faster_and_the_timing_is_kept(tmp_path, monkeypatch):
+    """runtime.onednn_linear=null: each inference product runs packed on oneDNN or on BLAS by its
+    shape and row count (rounded up to a power of two), as timed once per machine and kept on
+    disk; a setting of onednn_linear forces oneDNN."""
+    L = transformer.fast.linear
+    timed, products = [], []
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(L, "_CHOICES", {})
+    monkeypatch.setattr(L, "packed_to_blas_time", lambda rows, i, o: timed.append(rows) or (0.5 if rows >= 8 else 2.0))  # fmt: skip
+    real_product = L._product
+    monkeypatch.setattr(L, "_product", lambda *args: products.append(args[0].shape) or real_product(*args))
+    layer = FastLinear(16, 8)
+    layer.adopt(RuntimeConfig())
+    forced = copy.deepcopy(layer)
+    forced.adopt(RuntimeConfig(onednn_linear=True))
+    with torch.no_grad():
+        for rows in (3, 4, 7, 300):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert timed == [4, 8, 256] and products == [(7, 16), (300, 16)]  # 3 and 4 rows: BLAS, timed once
+        forced(torch.randn(3, 16))
+        assert products[-1] == (3, 16) and timed == [4, 8, 256]
+        monkeypatch.setattr(L, "_CHOICES", {})  # as a new process: the timings come from the file
+        layer(torch.randn(2, 16))
+        assert timed == [4, 8, 256, 2] and products[-1] == (3, 16)
+        layer(torch.randn(5, 16))
+        assert timed == [4, 8, 256, 2] and products[-1] == (5, 16)
+    assert (tmp_path / "fp32_linear_timings.json").is_file()
+
+
 def test_a_model_trains_and_decodes_the_same_with_and_without_onednn():
     """runtime.onednn_linear=false (F.linear, BLAS) against the oneDNN path, on the same weights."""
     cfg = ModelConfig(vocab_size=50, n_encoder_layers=2, n_decoder_layers=2, d_model=32, n_heads=4, d_ff=64, dropout=0.0)  # fmt: skip

@@ -31,12 +31,8 @@ attention products stay fp32.
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
 import logging
-import os
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +40,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..devices import CPU_FEATURES, ISA_VARIABLES, cpu_flags
-from ..files import atomic_write_text
 from ..model import Transformer
+from . import timings
 from .linear import FastLinear, PackedWeight, linear
 
 log = logging.getLogger(__name__)
@@ -146,17 +141,6 @@ def exact_products(weight_levels: int) -> bool:
     return torch.equal(got.double(), x.double() @ w.double().t())
 
 
-def seconds(fn, x: Tensor, repeats: int = 5) -> float:
-    """The fastest of `repeats` calls of fn(x), after one to warm up."""
-    fn(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] = (512, 2048)) -> float:
     """Time of an Int8Linear over that of the fp32 layer it replaces, for a (in, out) `shape`,
     at the rows of a beam search step."""
@@ -170,7 +154,9 @@ def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] =
         return int8(x)
 
     with torch.no_grad():
-        return seconds(int8_layer, x) / seconds(lambda x: linear(x, layer.weight, layer.bias, packed, onednn=onednn), x)
+        return timings.seconds(int8_layer, x) / timings.seconds(
+            lambda x: linear(x, layer.weight, layer.bias, packed, onednn=onednn), x
+        )
 
 
 @functools.cache
@@ -183,49 +169,21 @@ def exact_weight_levels() -> int | None:
 
 
 def plan_cache_path() -> Path:
-    """The file of int8 timings: in $TRANSFORMER_CACHE_DIR, else $XDG_CACHE_HOME/transformer, else
-    ~/.cache/transformer. Deleting it times the layer shapes again."""
-    root = os.environ.get("TRANSFORMER_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformer"
-    return Path(root) / "int8_timings.json"
-
-
-def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    """The file of int8 timings (fast/timings.py). Deleting it times the layer shapes again."""
+    return timings.timings_path("int8")
 
 
 def timing_key(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> str:
-    """What a timing depends on: the CPU and its features, the instruction-set limits, torch, the
-    fp32 path it is compared with, the weight range and the layer shape."""
-    features = ",".join(f for f in CPU_FEATURES if f in cpu_flags())
-    limits = ",".join(f"{v}={os.environ[v]}" for v in ISA_VARIABLES if os.environ.get(v))
+    """What a timing depends on: the machine (timings.machine_key), the fp32 path it is compared
+    with, the weight range and the layer shape."""
     fp32 = "onednn" if onednn else "blas"
-    return f"{cpu_name()} | {features} | {limits or 'no limits'} | torch {torch.__version__} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]}"  # fmt: skip
+    return f"{timings.machine_key()} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]}"
 
 
 def kept_ratio(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> tuple[float, str]:
     """int8_to_fp32_time for this machine, timed once and kept in plan_cache_path(); and where it
-    came from. A cache that cannot be read is timed again; one that cannot be written is logged."""
-    path, key = plan_cache_path(), timing_key(weight_levels, onednn, shape)
-    try:
-        kept = json.loads(path.read_text())
-    except (OSError, ValueError):
-        kept = {}
-    if isinstance(kept.get(key), dict) and isinstance(kept[key].get("ratio"), float):
-        return kept[key]["ratio"], f"timed on {kept[key].get('date', '?')}"
-    ratio = int8_to_fp32_time(weight_levels, onednn, shape)
-    kept[key] = {"ratio": ratio, "date": datetime.date.today().isoformat()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
-    except OSError as e:
-        log.warning("int8 timings not kept (%s): the next run times them again", e)
-    return ratio, "timed now"
+    came from."""
+    return timings.kept("int8", timing_key(weight_levels, onednn, shape), lambda: int8_to_fp32_time(weight_levels, onednn, shape))  # fmt: skip
 
 
 @functools.cache

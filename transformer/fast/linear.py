@@ -27,12 +27,18 @@ the environment already sets them: it takes effect before oneDNN's first product
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import timings
+
+log = logging.getLogger(__name__)
 
 CACHE_CAPACITY = 16
 CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's own cache, ideep's
@@ -90,10 +96,12 @@ class _OneDNNLinear(torch.autograd.Function):
 class PackedWeight:
     """A weight reordered for oneDNN, for inference, in fp32 and/or bf16 (with the bias in the same
     dtype); reordered again whenever the weight or bias changes (an optimizer step or
-    load_state_dict bumps its version)."""
+    load_state_dict bumps its version). by_rows: an fp32 product takes the packed weight only at
+    the row counts where that was timed faster than BLAS on this machine (`packed_is_faster`)."""
 
-    def __init__(self):
+    def __init__(self, by_rows: bool = False):
         self.entries: dict[torch.dtype, tuple[tuple, Tensor, Tensor | None]] = {}
+        self.by_rows = by_rows
 
     def get(self, weight: Tensor, bias: Tensor | None = None, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         key = tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in (weight, bias) if t is not None)
@@ -105,10 +113,10 @@ class PackedWeight:
         return entry[1], entry[2]
 
     def __getstate__(self) -> dict:  # copies and pickles start without the oneDNN tensors
-        return {}
+        return {"by_rows": self.by_rows}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self.__init__(state.get("by_rows", False))
 
 
 def _use_onednn(x: Tensor, weight: Tensor) -> bool:
@@ -162,8 +170,75 @@ def linear(
     if _needs_grad(x, weight, bias):
         return _activate(_OneDNNLinear.apply(x, weight, bias), activation)
     if packed is not None:
+        if packed.by_rows and not packed_is_faster(x.numel() // x.size(-1), weight.size(1), weight.size(0)):
+            return _activate(F.linear(x, weight, bias), activation)
         weight, bias = packed.get(weight, bias)
     return _product(x, weight, bias, activation)
+
+
+# --- Packed oneDNN or BLAS, by rows -------------------------------------------------------------
+# A packed oneDNN product costs some 25-35 us per call beyond its kernel (torch's and ideep's
+# wrappers; measured on an Ice Lake Xeon, where the kernel of a 5 x 256 x 256 product takes 7 us),
+# and BLAS far less: at the few rows of a single sentence's decoding step BLAS is 2-4x faster,
+# at tens to hundreds of rows oneDNN can be (docs/PERFORMANCE.md). Which side wins where depends
+# on the CPU, so each (rows, in, out) is timed once per machine, the rows rounded up to a power of
+# two (at most ROWS_TIMED), and the choice kept on disk (fast/timings.py).
+ROWS_TIMED = 256
+TIMED_BYTES = 2**23  # the weights a timing goes through: more than a core's L2 cache
+_CHOICES: dict[tuple[int, int, int], bool] = {}
+
+
+def rows_bucket(rows: int) -> int:
+    """The row count a product of `rows` rows is timed at: the next power of two, at most ROWS_TIMED."""
+    return min(1 << max(rows - 1, 0).bit_length(), ROWS_TIMED)
+
+
+def packed_is_faster(rows: int, in_features: int, out_features: int) -> bool:
+    """Whether an fp32 inference product of `rows` rows and an (out, in) weight is at least as fast
+    packed on oneDNN as on BLAS on this machine (timed once per machine, kept on disk)."""
+    key = (rows_bucket(rows), in_features, out_features)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = timed_choice(*key)
+    return choice
+
+
+def timed_choice(rows: int, in_features: int, out_features: int) -> bool:
+    key = f"{timings.machine_key()} | threads {torch.get_num_threads()} | {rows}x{in_features}x{out_features}"
+    ratio, source = timings.kept("fp32_linear", key, lambda: packed_to_blas_time(rows, in_features, out_features))
+    if not _CHOICES:
+        log.info(
+            "fp32 products at inference: packed on oneDNN or on BLAS by shape and row count, whichever was "
+            "timed faster on this CPU (kept in %s; delete it to time again)", timings.timings_path("fp32_linear")
+        )  # fmt: skip
+    choice = ratio <= 1.0
+    log.debug("%d x %d -> %d: packed oneDNN took %.2fx BLAS's time (%s): %s", rows, in_features, out_features, ratio, source, "oneDNN" if choice else "BLAS")  # fmt: skip
+    return choice
+
+
+def packed_to_blas_time(rows: int, in_features: int, out_features: int) -> float:
+    """Time of packed oneDNN products over that of F.linear, for random fp32 operands: in turns,
+    the fastest of 5 rounds each, a round going through several weights as a model's layers do
+    (TIMED_BYTES of them, at least 2), so that a weight is not in cache when its product starts."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=generator)
+    n = min(16, max(2, TIMED_BYTES // (4 * in_features * out_features)))
+    plain = [(torch.randn(out_features, in_features, generator=generator), torch.randn(out_features, generator=generator)) for _ in range(n)]  # fmt: skip
+    packed = [PackedWeight().get(w, b) for w, b in plain]
+    runs = {"packed": lambda: [_product(x, w, b) for w, b in packed], "blas": lambda: [F.linear(x, w, b) for w, b in plain]}  # fmt: skip
+    with torch.no_grad():
+        runs["packed"]()
+        start = time.perf_counter()
+        runs["blas"]()
+        repeats = max(1, min(50, int(2e-3 / max(time.perf_counter() - start, 1e-7))))  # about 2 ms a round
+        best = dict.fromkeys(runs, float("inf"))
+        for _ in range(5):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best["packed"] / best["blas"]
 
 
 def onednn_now(training: bool, inference: bool) -> bool:
@@ -185,8 +260,9 @@ class FastLinear(nn.Linear):
 
     def adopt(self, runtime) -> None:
         """State for a layer that was an nn.Linear (runtime.onednn, runtime.onednn_inference: where
-        products with and without gradients run; False means F.linear)."""
-        self.packed, self.onednn, self.onednn_inference = PackedWeight(), runtime.onednn, runtime.onednn_inference
+        products with and without gradients run, False meaning F.linear; runtime.inference_by_rows:
+        packed or BLAS at inference by the rows of each product)."""
+        self.packed, self.onednn, self.onednn_inference = PackedWeight(runtime.inference_by_rows), runtime.onednn, runtime.onednn_inference  # fmt: skip
 
     def forward(self, x: Tensor, activation: str | None = None) -> Tensor:
         onednn = onednn_now(self.onednn, self.onednn_inference)

@@ -24,7 +24,7 @@ class FastTransformer(Transformer):
     place, and with runtime.chunked_loss the output layer and training loss in chunks (fast/loss.py)."""
 
     def adopt(self, runtime) -> None:
-        self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(), runtime.onednn, runtime.chunked_loss
+        self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(runtime.inference_by_rows), runtime.onednn, runtime.chunked_loss  # fmt: skip
         self.onednn_inference, self.fp32_cross = runtime.onednn_inference, runtime.fp32_cross
 
     def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
@@ -51,7 +51,7 @@ class FastTransformer(Transformer):
         if self.output is not None:
             return super().vocabulary_projection(ids)
         weight, bias = self.vocabulary_rows(ids)
-        packed, onednn = PackedWeight(), onednn_now(self.onednn, self.onednn_inference)
+        packed, onednn = PackedWeight(self.tied_packed.by_rows), onednn_now(self.onednn, self.onednn_inference)
         return lambda x: linear(x, weight, bias, packed, onednn=onednn)
 
     def new_state(self) -> DecoderState:

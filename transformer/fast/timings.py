@@ -1,0 +1,87 @@
+"""Timings a speed path takes once per machine and keeps on disk, so that its choice is the same in
+every run on that machine and a busy moment cannot change it: int8's check of each layer shape
+(int8.py) and the row counts from which a packed oneDNN product beats torch's BLAS (linear.py).
+
+A timing is kept under a key naming what it depends on: the CPU and its features, the instruction-set
+limits in the environment, torch, the thread count, and the product it times. The files live in
+$TRANSFORMER_CACHE_DIR, else $XDG_CACHE_HOME/transformer, else ~/.cache/transformer; deleting one
+times again. A file that cannot be read is timed again; one that cannot be written is logged once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..devices import CPU_FEATURES, ISA_VARIABLES, cpu_flags
+from ..files import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRANSFORMER_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformer"
+
+
+def timings_path(what: str) -> Path:
+    return cache_dir() / f"{what}_timings.json"
+
+
+@functools.cache
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+
+
+def machine_key() -> str:
+    """What every timing depends on: the CPU, its features, the instruction-set limits, torch."""
+    features = ",".join(f for f in CPU_FEATURES if f in cpu_flags())
+    limits = ",".join(f"{v}={os.environ[v]}" for v in ISA_VARIABLES if os.environ.get(v))
+    return f"{cpu_name()} | {features} | {limits or 'no limits'} | torch {torch.__version__}"
+
+
+def seconds(fn: Callable, x, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls of fn(x), after one to warm up."""
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def kept(what: str, key: str, measure: Callable[[], float]) -> tuple[float, str]:
+    """The value kept under `key` in cache_dir()/f"{what}_timings.json", or measure() now, kept
+    there; and where it came from ("timed on DATE" or "timed now")."""
+    path = timings_path(what)
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entry = entries.get(key) if isinstance(entries, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("ratio"), float):
+        return entry["ratio"], f"timed on {entry.get('date', '?')}"
+    value = measure()
+    entries = entries if isinstance(entries, dict) else {}
+    entries[key] = {"ratio": value, "date": datetime.date.today().isoformat()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        log.warning("%s timings not kept (%s): the next run times them again", what, e)
+    return value, "timed now"
