@@ -64,33 +64,48 @@ def test_the_packed_inference_weight_follows_every_change_of_the_weight():
 
 
 @pytest.mark.skipif(not AVAILABLE, reason="this torch has no oneDNN")
-def test_inference_products_go_where_they_were_timed_faster_and_the_timing_is_kept(tmp_path, monkeypatch):
-    """runtime.onednn_linear=null: each inference product runs packed on oneDNN or on BLAS by its
-    shape and row count (rounded up to a power of two), as timed once per machine and kept on
-    disk; a setting of onednn_linear forces oneDNN."""
+def test_inference_products_go_where_they_ran_faster_and_the_choice_is_kept(tmp_path, monkeypatch):
+    """runtime.onednn_linear=null: the first products of each row count (rounded up to a power of
+    two) and shape alternate between packed oneDNN and BLAS, then the faster goes on, and the
+    choice is kept on disk for the next process; a setting of onednn_linear forces oneDNN."""
     L = transformer.fast.linear
-    timed, products = [], []
+    now, calls = [0.0], []
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(L, "_CHOICES", {})
-    monkeypatch.setattr(L, "packed_to_blas_time", lambda rows, i, o: timed.append(rows) or (0.5 if rows >= 8 else 2.0))  # fmt: skip
-    real_product = L._product
-    monkeypatch.setattr(L, "_product", lambda *args: products.append(args[0].shape) or real_product(*args))
+    monkeypatch.setattr(L, "_TRIALS", {})
+    monkeypatch.setattr(L, "_clock", lambda: now[0])
+
+    def timed(path, slow_below, product):  # packed slower than BLAS below `slow_below` rows, faster from there
+        def run(x, *args):
+            now[0] += 2.0 if (path == "packed") == (x.size(0) < slow_below) else 1.0
+            calls.append((path, x.size(0)))
+            return product(x, *args)
+
+        return run
+
+    monkeypatch.setattr(L, "_product", timed("packed", 5, L._product))
+    monkeypatch.setattr(L, "_blas", timed("blas", 5, L._blas))
     layer = FastLinear(16, 8)
     layer.adopt(RuntimeConfig())
     forced = copy.deepcopy(layer)
     forced.adopt(RuntimeConfig(onednn_linear=True))
     with torch.no_grad():
-        for rows in (3, 4, 7, 300):
+        for rows in [3, 4] * L.SAMPLES + [7, 5] * L.SAMPLES:  # 3 and 4 rows share a decision, 5 and 7 too
             x = torch.randn(rows, 16)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-        assert timed == [4, 8, 256] and products == [(7, 16), (300, 16)]  # 3 and 4 rows: BLAS, timed once
+        assert sorted(set(calls)) == [("blas", 4), ("blas", 5), ("packed", 3), ("packed", 7)]  # in turns
+        del calls[:]
+        for rows in (3, 4, 5, 7):
+            layer(torch.randn(rows, 16))
+        assert calls == [("blas", 3), ("blas", 4), ("packed", 5), ("packed", 7)]
         forced(torch.randn(3, 16))
-        assert products[-1] == (3, 16) and timed == [4, 8, 256]
-        monkeypatch.setattr(L, "_CHOICES", {})  # as a new process: the timings come from the file
-        layer(torch.randn(2, 16))
-        assert timed == [4, 8, 256, 2] and products[-1] == (3, 16)
-        layer(torch.randn(5, 16))
-        assert timed == [4, 8, 256, 2] and products[-1] == (5, 16)
+        assert calls[-1] == ("packed", 3)
+        monkeypatch.setattr(L, "_CHOICES", {})  # as a new process: the choices come from the file
+        del calls[:]
+        layer(torch.randn(2, 16))  # a row count not decided yet: timed
+        layer(torch.randn(3, 16))
+        layer(torch.randn(6, 16))
+        assert calls[1:] == [("blas", 3), ("packed", 6)]
     assert (tmp_path / "fp32_linear_timings.json").is_file()
 
 

@@ -39,14 +39,14 @@ class RuntimeConfig:
     def onednn_inference(self) -> bool:
         """Whether fp32 linear layers may run on oneDNN at inference (no gradients; the weight
         reordered once for oneDNN): as onednn_linear says, or when it is null, on every CPU, each
-        product where it was timed faster than BLAS (inference_by_rows, docs/PERFORMANCE.md)."""
+        product where it ran faster than BLAS (inference_by_rows, docs/PERFORMANCE.md)."""
         return self.onednn_linear if self.onednn_linear is not None else True
 
     @property
     def inference_by_rows(self) -> bool:
         """Whether, at inference, each fp32 product goes packed to oneDNN or to BLAS by its shape
-        and row count, whichever was timed faster on this machine (fast/linear.py:
-        packed_is_faster): when onednn_linear is null. A setting forces one library."""
+        and row count, whichever ran faster in its first products on this machine (fast/linear.py:
+        by_rows): when onednn_linear is null. A setting forces one library."""
         return self.onednn_linear is None
 
     def why_onednn(self) -> str:
@@ -59,7 +59,7 @@ class RuntimeConfig:
         train = "oneDNN" if self.onednn else "BLAS"
         infer = "oneDNN" if self.onednn_inference else "BLAS"
         if self.inference_by_rows:
-            return f"fp32 linear layers at inference on oneDNN or BLAS, whichever was timed faster here at each shape and row count; in training on {train} ({self.why_onednn()})"  # fmt: skip
+            return f"fp32 linear layers at inference on oneDNN or BLAS, whichever ran faster here at each shape and row count; in training on {train} ({self.why_onednn()})"  # fmt: skip
         if train == infer:
             return f"fp32 linear layers on {train} ({self.why_onednn()})"
         return f"fp32 linear layers on {infer} at inference, on {train} in training ({self.why_onednn()})"

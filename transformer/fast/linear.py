@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 
 import torch
@@ -97,7 +98,7 @@ class PackedWeight:
     """A weight reordered for oneDNN, for inference, in fp32 and/or bf16 (with the bias in the same
     dtype); reordered again whenever the weight or bias changes (an optimizer step or
     load_state_dict bumps its version). by_rows: an fp32 product takes the packed weight only at
-    the row counts where that was timed faster than BLAS on this machine (`packed_is_faster`)."""
+    the row counts where that ran faster than BLAS on this machine (`by_rows`)."""
 
     def __init__(self, by_rows: bool = False):
         self.entries: dict[torch.dtype, tuple[tuple, Tensor, Tensor | None]] = {}
@@ -169,76 +170,76 @@ def linear(
         return _activate(F.linear(x, weight, bias), activation)
     if _needs_grad(x, weight, bias):
         return _activate(_OneDNNLinear.apply(x, weight, bias), activation)
+    if packed is not None and packed.by_rows:
+        return by_rows(x, weight, bias, packed, activation)
     if packed is not None:
-        if packed.by_rows and not packed_is_faster(x.numel() // x.size(-1), weight.size(1), weight.size(0)):
-            return _activate(F.linear(x, weight, bias), activation)
         weight, bias = packed.get(weight, bias)
     return _product(x, weight, bias, activation)
 
 
 # --- Packed oneDNN or BLAS, by rows -------------------------------------------------------------
 # A packed oneDNN product costs some 25-35 us per call beyond its kernel (torch's and ideep's
-# wrappers; measured on an Ice Lake Xeon, where the kernel of a 5 x 256 x 256 product takes 7 us),
-# and BLAS far less: at the few rows of a single sentence's decoding step BLAS is 2-4x faster,
-# at tens to hundreds of rows oneDNN can be (docs/PERFORMANCE.md). Which side wins where depends
-# on the CPU, so each (rows, in, out) is timed once per machine, the rows rounded up to a power of
-# two (at most ROWS_TIMED), and the choice kept on disk (fast/timings.py).
+# wrappers; on an Ice Lake Xeon the kernel of a 5 x 256 x 256 product takes 7 us of a 39 us call),
+# and BLAS far less: at the few rows of one sentence's decoding step BLAS is 2-4x faster, at tens
+# to hundreds of rows either may be (docs/PERFORMANCE.md). Timed alone, in a loop, a product can
+# also rank the two otherwise than inside a decoding run (2x apart on that Xeon at 16 rows). So
+# each (rows, in, out), the rows rounded up to a power of two (at most ROWS_TIMED), is timed in use:
+# its first 2 * SAMPLES products alternate between the two, and the faster median decides, kept on
+# disk for every later run on the machine (fast/timings.py).
 ROWS_TIMED = 256
-TIMED_BYTES = 2**23  # the weights a timing goes through: more than a core's L2 cache
-_CHOICES: dict[tuple[int, int, int], bool] = {}
+SAMPLES = 8
+_CHOICES: dict[tuple[int, int, int], bool] = {}  # decided: True for packed oneDNN
+_TRIALS: dict[tuple[int, int, int], tuple[list[float], list[float]]] = {}  # being timed: packed, BLAS seconds
+_clock = time.perf_counter
 
 
 def rows_bucket(rows: int) -> int:
-    """The row count a product of `rows` rows is timed at: the next power of two, at most ROWS_TIMED."""
+    """The row count a product of `rows` rows is decided at: the next power of two, at most ROWS_TIMED."""
     return min(1 << max(rows - 1, 0).bit_length(), ROWS_TIMED)
 
 
-def packed_is_faster(rows: int, in_features: int, out_features: int) -> bool:
-    """Whether an fp32 inference product of `rows` rows and an (out, in) weight is at least as fast
-    packed on oneDNN as on BLAS on this machine (timed once per machine, kept on disk)."""
-    key = (rows_bucket(rows), in_features, out_features)
+def timing_key(key: tuple[int, int, int]) -> str:
+    return f"{timings.machine_key()} | threads {torch.get_num_threads()} | {key[0]}x{key[1]}x{key[2]}"
+
+
+def by_rows(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight, activation: str | None) -> Tensor:
+    """An fp32 inference product on packed oneDNN or on BLAS, as decided for its rows and shape,
+    or while that is being timed, on the one of the two that has been timed less."""
+    key = (rows_bucket(x.numel() // x.size(-1)), weight.size(1), weight.size(0))
     choice = _CHOICES.get(key)
-    if choice is None:
-        choice = _CHOICES[key] = timed_choice(*key)
-    return choice
+    if choice is None and key not in _TRIALS:
+        ratio = timings.read("fp32_linear", timing_key(key))
+        if ratio is None:
+            _TRIALS[key] = ([], [])
+        else:
+            choice = _CHOICES[key] = ratio <= 1.0
+    if choice is not None:
+        return _product(x, *packed.get(weight, bias), activation) if choice else _blas(x, weight, bias, activation)
+    packed_seconds, blas_seconds = _TRIALS[key]
+    on_packed = len(packed_seconds) <= len(blas_seconds)
+    start = _clock()
+    out = _product(x, *packed.get(weight, bias), activation) if on_packed else _blas(x, weight, bias, activation)
+    (packed_seconds if on_packed else blas_seconds).append(_clock() - start)
+    if len(blas_seconds) == SAMPLES:
+        decide(key, statistics.median(packed_seconds) / statistics.median(blas_seconds))
+    return out
 
 
-def timed_choice(rows: int, in_features: int, out_features: int) -> bool:
-    key = f"{timings.machine_key()} | threads {torch.get_num_threads()} | {rows}x{in_features}x{out_features}"
-    ratio, source = timings.kept("fp32_linear", key, lambda: packed_to_blas_time(rows, in_features, out_features))
+def decide(key: tuple[int, int, int], ratio: float) -> None:
     if not _CHOICES:
         log.info(
-            "fp32 products at inference: packed on oneDNN or on BLAS by shape and row count, whichever was "
-            "timed faster on this CPU (kept in %s; delete it to time again)", timings.timings_path("fp32_linear")
-        )  # fmt: skip
-    choice = ratio <= 1.0
-    log.debug("%d x %d -> %d: packed oneDNN took %.2fx BLAS's time (%s): %s", rows, in_features, out_features, ratio, source, "oneDNN" if choice else "BLAS")  # fmt: skip
-    return choice
+            "fp32 products at inference: packed on oneDNN or on BLAS by shape and row count, whichever ran "
+            "faster in their first products on this machine (kept in %s; delete it to time again)",
+            timings.timings_path("fp32_linear"),
+        )
+    _CHOICES[key] = ratio <= 1.0
+    _TRIALS.pop(key, None)
+    timings.keep("fp32_linear", timing_key(key), ratio)
+    log.debug("%d x %d -> %d: packed oneDNN took %.2fx BLAS's time: %s", *key, ratio, "oneDNN" if ratio <= 1.0 else "BLAS")  # fmt: skip
 
 
-def packed_to_blas_time(rows: int, in_features: int, out_features: int) -> float:
-    """Time of packed oneDNN products over that of F.linear, for random fp32 operands: in turns,
-    the fastest of 5 rounds each, a round going through several weights as a model's layers do
-    (TIMED_BYTES of them, at least 2), so that a weight is not in cache when its product starts."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, in_features, generator=generator)
-    n = min(16, max(2, TIMED_BYTES // (4 * in_features * out_features)))
-    plain = [(torch.randn(out_features, in_features, generator=generator), torch.randn(out_features, generator=generator)) for _ in range(n)]  # fmt: skip
-    packed = [PackedWeight().get(w, b) for w, b in plain]
-    runs = {"packed": lambda: [_product(x, w, b) for w, b in packed], "blas": lambda: [F.linear(x, w, b) for w, b in plain]}  # fmt: skip
-    with torch.no_grad():
-        runs["packed"]()
-        start = time.perf_counter()
-        runs["blas"]()
-        repeats = max(1, min(50, int(2e-3 / max(time.perf_counter() - start, 1e-7))))  # about 2 ms a round
-        best = dict.fromkeys(runs, float("inf"))
-        for _ in range(5):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best["packed"] / best["blas"]
+def _blas(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    return _activate(F.linear(x, weight, bias), activation)
 
 
 def onednn_now(training: bool, inference: bool) -> bool:

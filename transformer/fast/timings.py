@@ -1,11 +1,12 @@
 """Timings a speed path takes once per machine and keeps on disk, so that its choice is the same in
 every run on that machine and a busy moment cannot change it: int8's check of each layer shape
-(int8.py) and the row counts from which a packed oneDNN product beats torch's BLAS (linear.py).
+(int8.py) and the choice between a packed oneDNN product and torch's BLAS, by rows (linear.py).
 
-A timing is kept under a key naming what it depends on: the CPU and its features, the instruction-set
-limits in the environment, torch, the thread count, and the product it times. The files live in
-$TRANSFORMER_CACHE_DIR, else $XDG_CACHE_HOME/transformer, else ~/.cache/transformer; deleting one
-times again. A file that cannot be read is timed again; one that cannot be written is logged once.
+A timing is kept under a key naming what it depends on: the CPU and its features, the
+instruction-set limits in the environment, torch, and the product it times (linear.py adds the
+thread count). The files live in $TRANSFORMER_CACHE_DIR, else $XDG_CACHE_HOME/transformer, else
+~/.cache/transformer; deleting one times again. A file that cannot be read is timed again; one
+that cannot be written is logged.
 """
 
 from __future__ import annotations
@@ -65,23 +66,39 @@ def seconds(fn: Callable, x, repeats: int = 5) -> float:
     return best
 
 
-def kept(what: str, key: str, measure: Callable[[], float]) -> tuple[float, str]:
-    """The value kept under `key` in cache_dir()/f"{what}_timings.json", or measure() now, kept
-    there; and where it came from ("timed on DATE" or "timed now")."""
-    path = timings_path(what)
+def entries(path: Path) -> dict:
     try:
-        entries = json.loads(path.read_text())
+        found = json.loads(path.read_text())
     except (OSError, ValueError):
-        entries = {}
-    entry = entries.get(key) if isinstance(entries, dict) else None
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def read(what: str, key: str) -> float | None:
+    """The value kept under `key` in timings_path(what), or None."""
+    entry = entries(timings_path(what)).get(key)
+    return entry["ratio"] if isinstance(entry, dict) and isinstance(entry.get("ratio"), float) else None
+
+
+def keep(what: str, key: str, value: float) -> None:
+    """Keep `value` under `key` in timings_path(what), beside what the file holds; a file that
+    cannot be written is logged (the next run times again)."""
+    path = timings_path(what)
+    kept = entries(path)
+    kept[key] = {"ratio": value, "date": datetime.date.today().isoformat()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    except OSError as e:
+        log.warning("%s timings not kept (%s): the next run times them again", what, e)
+
+
+def kept(what: str, key: str, measure: Callable[[], float]) -> tuple[float, str]:
+    """The value kept under `key` in timings_path(what), or measure() now, kept there; and where it
+    came from ("timed on DATE" or "timed now")."""
+    entry = entries(timings_path(what)).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("ratio"), float):
         return entry["ratio"], f"timed on {entry.get('date', '?')}"
     value = measure()
-    entries = entries if isinstance(entries, dict) else {}
-    entries[key] = {"ratio": value, "date": datetime.date.today().isoformat()}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    except OSError as e:
-        log.warning("%s timings not kept (%s): the next run times them again", what, e)
+    keep(what, key, value)
     return value, "timed now"
