@@ -8,15 +8,17 @@ one with oneDNN; on some CPUs oneDNN's fp32 kernels are much faster (docs/PERFOR
   (dX = dY W and dW = dY^T X) and a sum for the bias; dW goes to BLAS when dY is large (the
   output layer's), where copying the transposes oneDNN needs costs more than its product saves;
 - in inference (no gradients), with the weight reordered once into oneDNN's blocked layout
-  (`PackedWeight`), which is faster again at the few rows a decoding step has.
+  (`PackedWeight`), or on BLAS, whichever ran faster on this machine for the product's shape and
+  rows (`by_rows`, below).
 
 Inference under CPU bf16 autocast takes the same packed path with a bf16 copy of the weight,
 reordered once: under autocast `F.linear` hands oneDNN the plain bf16 weight, which oneDNN
 reorders again at every product. Everything else (GPUs, bf16 training, torch.compile, other
 dtypes) takes `F.linear` unchanged. `FastLinear` is `nn.Linear` with this forward: same parameters,
 same state dict; `transformer.fast.accelerate` turns a model's nn.Linear layers into it. By
-default products without gradients take the packed path on every CPU and products with gradients
-only where AVX-512 runs (transformer/runtime.py); runtime.onednn_linear=false keeps both on F.linear.
+default products without gradients choose by rows on every CPU and products with gradients take
+oneDNN only where AVX-512 runs (transformer/runtime.py); runtime.onednn_linear=true keeps both on
+oneDNN, false both on F.linear.
 
 oneDNN builds a primitive for every product shape and keeps up to 1024 of them in two caches
 (its own and that of ideep, torch's wrapper), with buffers of several MB each; training batches
@@ -27,6 +29,7 @@ the environment already sets them: it takes effect before oneDNN's first product
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -208,6 +211,7 @@ def by_rows(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight
     key = (rows_bucket(x.numel() // x.size(-1)), weight.size(1), weight.size(0))
     choice = _CHOICES.get(key)
     if choice is None and key not in _TRIALS:
+        tell_once()
         ratio = timings.read("fp32_linear", timing_key(key))
         if ratio is None:
             _TRIALS[key] = ([], [])
@@ -225,13 +229,16 @@ def by_rows(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight
     return out
 
 
+@functools.cache
+def tell_once() -> None:
+    log.info(
+        "fp32 products at inference: packed on oneDNN or on BLAS by shape and row count, whichever ran "
+        "faster in their first products on this machine (each choice kept in %s; delete it to time again)",
+        timings.timings_path("fp32_linear"),
+    )
+
+
 def decide(key: tuple[int, int, int], ratio: float) -> None:
-    if not _CHOICES:
-        log.info(
-            "fp32 products at inference: packed on oneDNN or on BLAS by shape and row count, whichever ran "
-            "faster in their first products on this machine (kept in %s; delete it to time again)",
-            timings.timings_path("fp32_linear"),
-        )
     _CHOICES[key] = ratio <= 1.0
     _TRIALS.pop(key, None)
     timings.keep("fp32_linear", timing_key(key), ratio)
