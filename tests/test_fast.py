@@ -197,10 +197,7 @@ def test_encoding_in_length_groups_equals_encoding_the_padded_batch(variant):
     could run on different libraries, whose fp32 roundings DCMHA's scores here (scaled 40-85x,
     conftest.VARIANT_NOISE) amplify to 1e-4 under AVX2. The grouping is what is compared, so both
     run on the same library: runtime.onednn_linear=true."""
-    model = make_model("fast", **variant)
-    for module in model.modules():
-        if hasattr(module, "adopt"):
-            module.adopt(RuntimeConfig(onednn_linear=True))
+    model = accelerate(make_model("reference", **variant), RuntimeConfig(onednn_linear=True))
     torch.manual_seed(1)
     lengths = torch.randint(1, 33, (24,))
     src = random_tokens(24, 32).masked_fill(torch.arange(32)[None, :] >= lengths[:, None], PAD)

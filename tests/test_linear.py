@@ -63,7 +63,6 @@ def test_the_packed_inference_weight_follows_every_change_of_the_weight():
         torch.testing.assert_close(clone(x), layer(x))
 
 
-@pytest.mark.skipif(not AVAILABLE, reason="this torch has no oneDNN")
 def test_inference_products_go_where_they_ran_faster_and_the_choice_is_kept(tmp_path, monkeypatch):
     """runtime.onednn_linear=null: the first products of each row count (rounded up to a power of
     two) and shape alternate between packed oneDNN and BLAS, then the faster goes on, and the

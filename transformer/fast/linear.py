@@ -165,12 +165,12 @@ def linear(
     "gelu" or "silu") is applied to the result: at inference on oneDNN inside the product, which saves a
     pass over the output. onednn=False: F.linear and the activation, always."""
     if not (onednn and AVAILABLE):
-        return _activate(F.linear(x, weight, bias), activation)
+        return _blas(x, weight, bias, activation)
     if packed is not None and _packs_bf16(x, weight, bias):
         packed_weight, packed_bias = packed.get(weight, bias, torch.bfloat16)
         return _product(x.to(torch.bfloat16), packed_weight, packed_bias, activation)
     if not _use_onednn(x, weight):
-        return _activate(F.linear(x, weight, bias), activation)
+        return _blas(x, weight, bias, activation)
     if _needs_grad(x, weight, bias):
         return _activate(_OneDNNLinear.apply(x, weight, bias), activation)
     if packed is not None and packed.by_rows:
@@ -246,6 +246,7 @@ def decide(key: tuple[int, int, int], ratio: float) -> None:
 
 
 def _blas(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    """F.linear and the activation after it: torch's BLAS for CPU fp32."""
     return _activate(F.linear(x, weight, bias), activation)
 
 

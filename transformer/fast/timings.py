@@ -74,10 +74,16 @@ def entries(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
+def entry(what: str, key: str) -> dict | None:
+    """The entry kept under `key` in timings_path(what) ({"ratio": float, "date": ...}), or None."""
+    found = entries(timings_path(what)).get(key)
+    return found if isinstance(found, dict) and isinstance(found.get("ratio"), float) else None
+
+
 def read(what: str, key: str) -> float | None:
     """The value kept under `key` in timings_path(what), or None."""
-    entry = entries(timings_path(what)).get(key)
-    return entry["ratio"] if isinstance(entry, dict) and isinstance(entry.get("ratio"), float) else None
+    found = entry(what, key)
+    return None if found is None else found["ratio"]
 
 
 def keep(what: str, key: str, value: float) -> None:
@@ -96,9 +102,9 @@ def keep(what: str, key: str, value: float) -> None:
 def kept(what: str, key: str, measure: Callable[[], float]) -> tuple[float, str]:
     """The value kept under `key` in timings_path(what), or measure() now, kept there; and where it
     came from ("timed on DATE" or "timed now")."""
-    entry = entries(timings_path(what)).get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("ratio"), float):
-        return entry["ratio"], f"timed on {entry.get('date', '?')}"
+    found = entry(what, key)
+    if found is not None:
+        return found["ratio"], f"timed on {found.get('date', '?')}"
     value = measure()
     keep(what, key, value)
     return value, "timed now"
