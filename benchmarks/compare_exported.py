@@ -10,7 +10,9 @@ users run it: in a process of its own (its thread pool would slow torch's, and t
 all sentences in one translate_batch call that batches them itself (ct2_batch sentences a batch,
 grouped by length), the longest of our per-sentence length limits for all; with
 reference=true also ours under runtime=reference (the model as written, which ours fp32 must
-equal), and "ours fp32 paged", the continuous-batching engine of serve.py (every sentence
+equal), with compiled=true (the default) "ours fp32 compiled", ours fp32 with
+runtime.compiled_step=true (transformer/fast/compiled.py; compiled untimed if none is kept; the
+others run with runtime.compiled_step=false), and "ours fp32 paged", the continuous-batching engine of serve.py (every sentence
 joining at the first step, on the paged cache). isa=avx2 limits every library to AVX2. Beam
 search runs at each of length_penalties, passed to both as their length_penalty: our GNMT
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
@@ -64,6 +66,7 @@ class CompareConfig:
     isa: Optional[str] = None  # e.g. avx2: every library limited to that instruction set (transformer/devices.py)
     ct2_batch: int = 64  # CTranslate2's max_batch_size (sentences), as a user would set it
     shortlist: bool = False  # also each decoder with the run's shortlist (scripts/build_shortlist.py)
+    compiled: bool = True  # also ours fp32 with its compiled decoding step (runtime.compiled_step=true)
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -75,7 +78,7 @@ class CompareConfig:
 def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     """name -> function(sources, decode config) -> (seconds, token ids); the tokenizer; max_positions."""
     require_ctranslate2()  # a clear error before any work when it is missing
-    fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(precision=p)) for p in ("fp32", "int8"))  # fmt: skip
+    fp32, int8 = (Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(compiled_step=False, precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     tokenizer = fp32.tokenizer
     vmap = shortlist_path(Path(cfg.checkpoint))
     if cfg.shortlist and not vmap.is_file():
@@ -108,10 +111,12 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     if cfg.reference:
         reference = Translator.load(cfg.checkpoint, [], "cpu", DecodeConfig(), RuntimeConfig(fast=False))
         runs["ours fp32 reference"] = ours(reference)
+    if cfg.compiled:  # compiled on its untimed first call if none is kept (compare: warming up)
+        runs["ours fp32 compiled"] = ours(Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(compiled_step=True)))  # fmt: skip
     runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8)}
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     if cfg.shortlist:  # the run's shortlist: ours with decode.shortlist, CTranslate2 with use_vmap
-        runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours int8", "ctranslate2 float32", "ctranslate2 int8")}  # fmt: skip
+        runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours fp32 compiled", "ours int8", "ctranslate2 float32", "ctranslate2 int8") if name in runs}  # fmt: skip
     return runs, tokenizer, limit
 
 
@@ -192,14 +197,14 @@ def main(argv: list[str]) -> None:
         f"{cfg.checkpoint}: {len(sources)} {cfg.split} sentences, {torch.get_num_threads()} threads, medians of {cfg.rounds}"
     )
     print(
-        f"{'strategy':<9}{'lp':>5} {'decoder':<22}{'BLEU':>7}{'same':>8}{'seconds':>9}{'sent/s':>8}{'speed vs ours fp32':>20}"
+        f"{'strategy':<9}{'lp':>5} {'decoder':<30}{'BLEU':>7}{'same':>8}{'seconds':>9}{'sent/s':>8}{'speed vs ours fp32':>20}"
     )
     reference = {
         (r["strategy"], r["length_penalty"]): r["seconds"] for r in results["rows"] if r["decoder"] == "ours fp32"
     }
     for r in results["rows"]:
         r["speed_vs_ours_fp32"] = reference[r["strategy"], r["length_penalty"]] / r["seconds"]
-        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<22}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.2f}{r['sentences_per_s']:>8.0f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
+        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<30}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.2f}{r['sentences_per_s']:>8.0f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
     if cfg.output:
         with exit_on_user_error():
             atomic_write_text(cfg.output, json.dumps(results, indent=2))

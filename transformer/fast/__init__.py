@@ -14,6 +14,8 @@ is tested against it (tests/test_fast.py). Caches are objects the decoding state
     encoding.py   encoding in groups of similar length at CPU inference
     loss.py       the output layer and its loss in chunks, without the full logits
     int8.py       int8 linear layers for CPU decoding (runtime.precision=int8), tied output too
+    compiled.py   the decoding step compiled ahead of time (runtime.compiled_step): the model's own
+                  decode traced over the fast caches' buffers, kept on disk per model and CPU
 
 Speed paths attach in two ways only. (1) Classes: `accelerate(model, runtime)` gives every module
 whose class is a key of FAST_CLASSES its fast class, in place (same parameters, same state dict;

@@ -13,6 +13,7 @@ from ..model import DecoderLayer, DecoderState, Transformer
 from ..model.attention import Rotary
 from ..model.blocks import FeedForward
 from .cache import FastKeyValueCache
+from .compiled import CompiledStep
 from .encoding import encode_grouped
 from .linear import FastLinear, PackedWeight, linear, onednn_now
 from .loss import projected_cross_entropy
@@ -26,6 +27,7 @@ class FastTransformer(Transformer):
     def adopt(self, runtime) -> None:
         self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(runtime.inference_by_rows), runtime.onednn, runtime.chunked_loss  # fmt: skip
         self.onednn_inference, self.fp32_cross = runtime.onednn_inference, runtime.fp32_cross
+        self.compiled_step = CompiledStep(runtime.compiled_step)
 
     def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
         """The summed label-smoothed loss of the decoder output `out` (forward(project=False)),
@@ -39,6 +41,15 @@ class FastTransformer(Transformer):
         if need_weights or torch.is_grad_enabled() or self.training or src.device.type != "cpu":
             return super().encode(src, src_mask, need_weights)
         return encode_grouped(super().encode, src, src_mask)
+
+    def decode(self, tgt, memory, src_mask, state=None, need_weights=False, project=True):
+        """The reference decode, or for a step it takes, the compiled step (fast/compiled.py) and
+        this model's own output layer; both read and write the same caches."""
+        step = getattr(self, "compiled_step", None)
+        if step is None or not step.take(self, tgt, state, need_weights):
+            return super().decode(tgt, memory, src_mask, state, need_weights, project)
+        hidden = step(self, tgt, src_mask, state)
+        return (self.project(hidden) if project else hidden), []
 
     def project(self, x: Tensor) -> Tensor:
         if self.output is not None:

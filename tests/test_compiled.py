@@ -1,0 +1,114 @@
+"""The compiled decoding step (transformer/fast/compiled.py) against the eager step it replaces:
+the same decoder outputs step by step, the same translations in greedy and beam search (beams
+reordered and sentences dropped between compiled steps), a kept program found by a new model,
+and without a C++ compiler the eager step, said in the log."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from transformer.decoding import DecodeConfig, beam_search, greedy
+from transformer.fast import compiled
+from transformer.model import attention_variants, padding_mask
+from transformer.runtime import RuntimeConfig
+
+from .conftest import BOS, EOS, PAD, make_model, random_tokens
+
+pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
+
+TEACHER_LIKE = {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True, "n_kv_heads": 2}
+
+
+@pytest.fixture(autouse=True)
+def fresh_log():
+    compiled.log_once.cache_clear()  # each test reads the lines it logs
+
+
+def fast_model(setting, **overrides):
+    model = make_model("fast", **overrides)
+    model.compiled_step = compiled.CompiledStep(setting)  # as adopt(RuntimeConfig(compiled_step=setting)) sets it
+    return model
+
+
+def count_compiled(monkeypatch) -> list[int]:
+    """Calls of the compiled step, by rows, recorded as they run."""
+    rows, run = [], compiled.CompiledStep.__call__
+
+    def spy(self, model, tgt, src_mask, state):
+        rows.append(tgt.size(0))
+        return run(self, model, tgt, src_mask, state)
+
+    monkeypatch.setattr(compiled.CompiledStep, "__call__", spy)
+    return rows
+
+
+def search(model, src):
+    cfg = DecodeConfig(beam_size=3, max_len_a=1.0, max_len_b=6)
+    with torch.no_grad():
+        return greedy(model, src, BOS, EOS, cfg), beam_search(model, src, BOS, EOS, cfg)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+@pytest.mark.parametrize("variant", [{}, TEACHER_LIKE], ids=["post-norm", "rope-swiglu-gqa"])
+def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    src = random_tokens(5, 9)
+    src[3:, 6:] = PAD
+    tgt = random_tokens(5, 7)
+    eager, model = fast_model(False, **variant), fast_model(True, **variant)
+    with torch.no_grad():  # step by step, teacher forced: the decoder output of every step
+        mask = padding_mask(src, PAD)
+        memory = eager.encode(src, mask)[0]
+        states = eager.new_state(), model.new_state()
+        for i in range(tgt.size(1)):
+            want = eager.decode(tgt[:, i : i + 1], memory, mask, states[0], project=False)[0]
+            got = model.decode(tgt[:, i : i + 1], memory, mask, states[1], project=False)[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.compiled_step.programs[1] is not None
+
+    rows = count_compiled(monkeypatch)
+    (greedy_eager, beams_eager), (greedy_compiled, beams_compiled) = search(eager, src), search(model, src)
+    assert 5 in rows and 15 in rows, "greedy steps (5 rows) and beam steps (5 x 3 rows) ran compiled"
+    assert greedy_compiled == greedy_eager
+    for got, want in zip(beams_compiled, beams_eager):
+        assert [h.tokens for h in got] == [h.tokens for h in want]
+        assert [h.score for h in got] == pytest.approx([h.score for h in want], abs=1e-5)
+
+    # A new model with the same weights finds the kept programs without compiling (the default, null).
+    monkeypatch.setattr(compiled, "compile_step", lambda *args: pytest.fail("compiled again"))
+    compiled.log_once.cache_clear()
+    rows.clear()
+    with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
+        assert search(fast_model(None, **variant), src)[0] == greedy_eager
+    assert "steps after the first run" in caplog.text and 15 in rows
+
+
+def test_without_a_compiler_the_eager_step_runs_and_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    src = random_tokens(4, 8)
+    rows = count_compiled(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
+        got = search(fast_model(True), src)
+    assert rows == [] and "no C++ compiler" in caplog.text
+    assert got == search(fast_model(False), src)
+    assert not (tmp_path / "compiled").exists() or not any((tmp_path / "compiled").iterdir())
+
+
+def test_steps_it_does_not_take_run_eagerly(tmp_path, monkeypatch, caplog):
+    """No program for models it cannot trace (attention variants, int8), nothing compiled by
+    default (null), and a kept program looked up only where one is kept."""
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    rows = count_compiled(monkeypatch)
+    src = random_tokens(3, 6)
+    moh = {"attention": attention_variants.AttentionConfig(kind="moh", shared_heads=1, top_k=2)}
+    with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
+        search(fast_model(True, **moh), src)
+        search(fast_model(None), src)
+    assert rows == []
+    assert "attention variants (FastMoHAttention)" in caplog.text
+    assert "none kept on this machine" in caplog.text
+    assert RuntimeConfig().compiled_step is None

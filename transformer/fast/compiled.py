@@ -1,0 +1,322 @@
+"""A compiled decoding step: the model's own `decode` for one new token, traced by torch.export
+over the fast runtime's caches and compiled ahead of time by AOTInductor into a shared library,
+kept on disk per model and CPU (runtime.compiled_step).
+
+Why: a decoding step of a small model on few rows (one sentence, greedy or beam 5) is mostly
+operator calls, not arithmetic; compiled, its hundreds of calls become a few fused C++ loops
+(about 2x faster for one sentence; with many rows the products dominate and it gains ~10%,
+docs/PERFORMANCE.md).
+
+What is traced: a reference Transformer with the same weights whose decoder layers fold each
+sentence's beams into one cross-attention query (FastDecoderLayer), decoding one token into
+`BufferCache`s: the self-attention keys and values written in place at the step's position of
+the buffers the fast runtime's FastKeyValueCache already keeps (fast/cache.py: GrowingCache), the
+slots past it masked. So the compiled program reads and writes the same caches as the eager
+step: the first step (which stores the encoder's keys and values) and any step the program does
+not take run eagerly on the same state. The program returns the decoder's normalized output; the
+output layer (packed, shortlisted) stays the fast model's own.
+
+Two programs per model and CPU: one for one row per sentence (greedy search, sampling) and one
+for several (beam search), each for any number of sentences, source length and cache capacity.
+They are kept in the cache directory of fast/timings.py under a key naming the weights, the
+model's configuration, the code they are traced from, the CPU and its limits, torch and the
+thread count.
+
+runtime.compiled_step: null (the default) uses a program already kept and never compiles; true
+compiles a missing one (about half a minute per program with a C++ compiler; without one, the
+eager step, logged); false never uses one. Loading a kept program needs no compiler. One log
+line per process says which ran and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..model import DecoderState, LayerCache, Transformer
+from ..model.attention import MultiHeadAttention
+from ..model.cache import KeyValueCache
+from .cache import FastKeyValueCache
+from .timings import cache_dir, machine_key
+
+log = logging.getLogger(__name__)
+
+
+
+@functools.cache
+def log_once(message: str) -> None:
+    log.info(message)
+
+
+# --- What is traced ------------------------------------------------------------------------------
+
+
+class BufferCache(KeyValueCache):
+    """A self-attention cache over given buffers (rows, kv_heads, capacity, head_size): a step's keys
+    and values are written at `position`, and attention reads the whole buffers with the slots
+    past it masked."""
+
+    def __init__(self, keys: Tensor, values: Tensor, position: Tensor):
+        super().__init__()
+        self.keys, self.values, self.position = keys, values, position
+
+    def positions(self) -> Tensor:
+        return self.position
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.keys.index_copy_(2, self.position, k)
+        self.values.index_copy_(2, self.position, v)
+        filled = torch.arange(self.keys.size(2), device=k.device) <= self.position
+        return self.keys, self.values, filled.view(1, 1, 1, -1)
+
+
+class MemoryCache(KeyValueCache):
+    """A cross-attention cache holding the encoder's keys and values (sentences, kv_heads, src_len, head_size)."""
+
+    def __init__(self, k: Tensor, v: Tensor):
+        super().__init__()
+        self.k, self.v = k, v
+
+
+class TracedState(DecoderState):
+    """The decoding state of one traced step: every row at `position`, a (1,) tensor."""
+
+    def __init__(self, position: Tensor, layers: list[LayerCache]):
+        super().__init__(layers=layers)
+        self.position = position
+
+    def positions(self) -> Tensor:
+        return self.position
+
+    def advance(self, tokens: int) -> None:
+        pass
+
+
+class Step(nn.Module):
+    """One decoding step of `model` as a function of tensors, for torch.export: tokens (sentences,
+    width) -> the decoder's normalized output (sentences * width, 1, d_model), writing this step's
+    keys and values into the self-attention buffers (sentences, width, kv_heads, capacity, head_size)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, position, src_mask, self_keys, self_values, cross_keys, cross_values):
+        layers = [
+            LayerCache(BufferCache(k.flatten(0, 1), v.flatten(0, 1), position), MemoryCache(ck, cv))
+            for k, v, ck, cv in zip(self_keys, self_values, cross_keys, cross_values)
+        ]
+        state = TracedState(position, layers)
+        hidden, _ = self.model.decode(tokens.flatten(0, 1)[:, None], None, src_mask, state, project=False)
+        return hidden
+
+
+def step_weights(model: Transformer) -> dict[str, Tensor]:
+    """The parameters and buffers a decoding step reads: the model's state without the encoder's
+    (and without an int8 output layer's, which runs eagerly after the step)."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(("encoder_layers.", "src_embed.", "int8_output."))}  # fmt: skip
+
+
+def traced_model(model: Transformer) -> Transformer:
+    """A reference Transformer with `model`'s decoding weights whose decoder layers fold beams
+    (FastDecoderLayer); without an encoder, which a step does not run."""
+    from .model import FastDecoderLayer
+
+    reference = Transformer(model.cfg)
+    missing, unexpected = reference.load_state_dict(step_weights(model), strict=False)
+    if unexpected or any(not k.startswith(("encoder_layers.", "src_embed.")) for k in missing):
+        raise ValueError(f"the decoding step's weights do not match the model's: {missing + unexpected}")
+    for layer in reference.decoder_layers:
+        layer.__class__ = FastDecoderLayer
+    reference.encoder_layers, reference.src_embed = nn.ModuleList(), None
+    return reference.eval()
+
+
+def example(model: Transformer, width: int) -> tuple:
+    """Inputs of the shapes a step takes: 3 sentences of `width` rows, 7 source tokens, capacity 16."""
+    cfg, n = model.cfg, len(model.decoder_layers)
+    sentences, src_len, capacity = 3, 7, 16
+    buffers = [torch.zeros(sentences, width, cfg.kv_heads, capacity, cfg.head_size) for _ in range(2 * n)]
+    memory = [torch.zeros(sentences, cfg.kv_heads, src_len, cfg.head_size) for _ in range(2 * n)]
+    tokens = torch.ones(sentences, width, dtype=torch.long)
+    src_mask = torch.ones(sentences, 1, 1, src_len, dtype=torch.bool)
+    return tokens, torch.tensor([1]), src_mask, buffers[:n], buffers[n:], memory[:n], memory[n:]
+
+
+def compile_step(model: Transformer, width: int, path: Path) -> None:
+    """Export `model`'s step for one row per sentence (width 1) or several (width 2: any beam) and
+    compile it with AOTInductor into the package `path`."""
+    from torch.export import Dim
+
+    n = len(model.decoder_layers)
+    sentences, source, capacity = Dim("sentences", max=4096), Dim("source", max=4096), Dim("capacity", max=4096)
+    rows = {0: sentences, 3: capacity} if width == 1 else {0: sentences, 1: Dim("width", min=2, max=64), 3: capacity}
+    memory = {0: sentences, 2: source}
+    tokens = {0: sentences} if width == 1 else {0: sentences, 1: rows[1]}
+    dynamic = (tokens, None, {0: sentences, 3: source}, [rows] * n, [rows] * n, [memory] * n, [memory] * n)
+    with torch.no_grad():
+        program = torch.export.export(Step(traced_model(model)), example(model, width), dynamic_shapes=dynamic)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+    os.replace(partial, path)
+
+
+def load_program(path: Path):
+    """The compiled package at `path` as a function of its flattened inputs. torch's loader class is
+    used directly: the public torch._inductor.aoti_load_package imports the compiler first (1 s)."""
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader is not None:
+        try:
+            return loader(str(path), "model", False, 1, -1).run
+        except TypeError:  # another torch's signature
+            pass
+    package = torch._inductor.aoti_load_package(str(path))
+    return lambda inputs: [package(*inputs)]
+
+
+# --- Choosing and running it ---------------------------------------------------------------------
+
+
+def compiler() -> str | None:
+    """The C++ compiler AOTInductor would call ($CXX, else g++), or None where there is none."""
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the fast `model` has no compiled step (a reason for the log), or None."""
+    from .attention import FastMultiHeadAttention
+    from .int8 import Int8Linear
+    from .model import FastDecoderLayer
+
+    if any(isinstance(m, Int8Linear) for m in model.decoder_layers.modules()):
+        return "int8 layers in the decoder (runtime.precision=int8) decode eagerly"
+    variants = {type(m).__name__ for m in model.modules() if isinstance(m, MultiHeadAttention) and type(m) is not FastMultiHeadAttention}  # fmt: skip
+    if variants:
+        return f"attention variants ({', '.join(sorted(variants))}) keep state of their own"
+    if any(type(m) is not FastDecoderLayer for m in model.decoder_layers):
+        return "decoder layers of another class"
+    return None
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code a program is traced from: the model's modules and this file, so a
+    program kept by an earlier version of them is not used."""
+    here = Path(__file__).parent
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted([*(here.parent / "model").glob("*.py"), here / "model.py", here / "cache.py", Path(__file__)]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def weights_digest(model: Transformer) -> str:
+    """A digest of the model's configuration and of each weight a step reads: its name, shape,
+    dtype and the CRC-32 of its bytes (read in place: 10 ms for 30 MB, a third of a hash's time)."""
+    digest = hashlib.blake2b(repr(model.cfg).encode(), digest_size=16)
+    for name, t in step_weights(model).items():
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        digest.update(f"{name} {tuple(t.shape)} {t.dtype} {zlib.crc32(data)}".encode())
+    return digest.hexdigest()
+
+
+class CompiledStep:
+    """A model's compiled steps (`runtime.compiled_step`: None = kept ones only, True = compile a
+    missing one, False = never): `take` says whether one runs a given step, `__call__` runs it."""
+
+    def __init__(self, setting: bool | None):
+        self.setting = setting
+        self.programs: dict[int, object] = {}  # width class (1, or 2 for several rows per sentence) -> program
+        self.digest: str | None = None
+
+    def take(self, model: Transformer, tgt: Tensor, state, need_weights: bool) -> bool:
+        """Whether the step decoding `tgt` into `state` runs compiled: one new token per row, fp32
+        on a CPU, no gradients, autocast or weights asked, the fast
+        runtime's caches past the first step, and a program for its width class kept or compiled."""
+        if self.setting is False or need_weights or state is None or tgt.size(1) != 1 or not tgt.is_cpu:
+            return False
+        if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+            return False
+        if type(state) is not DecoderState or not state.layers:
+            return False
+        first = state.layers[0]
+        if not isinstance(first.self, FastKeyValueCache) or first.self.keys is None or first.cross.k is None:
+            return False
+        if first.self.k.dtype != torch.float32 or first.cross.k.dtype != torch.float32:
+            return False
+        sentences = first.cross.k.size(0)
+        if tgt.size(0) % sentences:
+            return False
+        return self.program(model, 1 if tgt.size(0) == sentences else 2) is not None
+
+    def program(self, model: Transformer, width: int):
+        if width not in self.programs:
+            self.programs[width] = self.find(model, width)
+        return self.programs[width]
+
+    def find(self, model: Transformer, width: int):
+        """The program for `width`, loaded or compiled, or None; logs which and why once."""
+        what = "one row per sentence" if width == 1 else "several rows per sentence"
+        reason = unsupported(model)
+        if reason is not None:
+            log_once(f"compiled decoding step: not used, {reason}")
+            return None
+        if self.setting is None and not any((cache_dir() / "compiled").glob("step-*.pt2")):
+            log_once(f"compiled decoding step ({what}): none kept on this machine, eager steps (runtime.compiled_step=true compiles one)")  # fmt: skip
+            return None
+        self.digest = self.digest or weights_digest(model)
+        key = hashlib.blake2b(f"{code_digest()} | {self.digest} | {machine_key()} | threads {torch.get_num_threads()} | width {width}".encode(), digest_size=16)  # fmt: skip
+        path = cache_dir() / "compiled" / f"step-{key.hexdigest()}.pt2"
+        if not path.exists():
+            if self.setting is None:
+                log_once(f"compiled decoding step ({what}): none kept for this model and CPU, eager steps (runtime.compiled_step=true compiles one)")  # fmt: skip
+                return None
+            if compiler() is None:
+                log_once(f"compiled decoding step ({what}): no C++ compiler ({os.environ.get('CXX') or 'g++'} not found), eager steps")  # fmt: skip
+                return None
+            log_once(f"compiled decoding step ({what}): compiling it once for this model and CPU into {path}")
+            start = time.perf_counter()
+            try:
+                compile_step(model, width, path)
+            except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the eager step
+                log.warning("compiled decoding step (%s): compiling failed (%s: %s), eager steps", what, type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+                return None
+            log_once(f"compiled decoding step ({what}): compiled in {time.perf_counter() - start:.1f} s")
+        try:
+            program = load_program(path)
+        except Exception as e:  # noqa: BLE001 - an unreadable package leaves the eager step
+            log.warning("compiled decoding step (%s): %s could not be loaded (%s), eager steps", what, path, e)
+            return None
+        log_once(f"compiled decoding step ({what}): steps after the first run {path}")
+        return program
+
+    def __call__(self, model: Transformer, tgt: Tensor, src_mask: Tensor, state: DecoderState) -> Tensor:
+        """Decode one token per row of `tgt` (rows, 1) into `state`: the decoder's normalized output (rows, 1, d_model)."""
+        layers = state.layers
+        sentences = layers[0].cross.k.size(0)
+        width = tgt.size(0) // sentences
+        caches = [cache for layer in layers for cache in (layer.self.keys, layer.self.values)]
+        position = caches[0].length
+        for cache in caches:  # room for this step's token
+            if position == cache.buffer.size(2):
+                cache.grow(2 * position, cache.value)
+        buffers = [c.buffer.view(sentences, width, *c.buffer.shape[1:]) for c in caches]
+        tokens = tgt.reshape(sentences, width).contiguous()  # the program reads its inputs as contiguous
+        inputs = [tokens, torch.tensor([position]), src_mask.contiguous(), *buffers[0::2], *buffers[1::2]]
+        inputs += [layer.cross.k for layer in layers] + [layer.cross.v for layer in layers]
+        (hidden,) = self.program(model, 1 if width == 1 else 2)(inputs)
+        for layer in layers:
+            for cache in (layer.self.keys, layer.self.values):
+                cache.length += 1
+            layer.self.k, layer.self.v = layer.self.keys.value, layer.self.values.value
+        state.advance(1)
+        return hidden
