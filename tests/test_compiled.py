@@ -11,6 +11,7 @@ import torch
 
 from transformer.decoding import DecodeConfig, beam_search, greedy
 from transformer.fast import compiled
+from transformer.fast.model import FastDecoderLayer
 from transformer.model import attention_variants, padding_mask
 from transformer.runtime import RuntimeConfig
 
@@ -28,7 +29,9 @@ def fresh_log():
 
 def fast_model(setting, **overrides):
     model = make_model("fast", **overrides)
-    model.compiled_step = compiled.CompiledStep(setting)  # as adopt(RuntimeConfig(compiled_step=setting)) sets it
+    model.compiled_step = compiled.CompiledStep(
+        setting, FastDecoderLayer
+    )  # as adopt(RuntimeConfig(compiled_step=setting)) does
     return model
 
 

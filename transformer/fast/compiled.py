@@ -45,11 +45,12 @@ from torch import Tensor, nn
 from ..model import DecoderState, LayerCache, Transformer
 from ..model.attention import MultiHeadAttention
 from ..model.cache import KeyValueCache
+from .attention import FastMultiHeadAttention
 from .cache import FastKeyValueCache
+from .int8 import Int8Linear
 from .timings import cache_dir, machine_key
 
 log = logging.getLogger(__name__)
-
 
 
 @functools.cache
@@ -126,17 +127,15 @@ def step_weights(model: Transformer) -> dict[str, Tensor]:
     return {k: v for k, v in model.state_dict().items() if not k.startswith(("encoder_layers.", "src_embed.", "int8_output."))}  # fmt: skip
 
 
-def traced_model(model: Transformer) -> Transformer:
-    """A reference Transformer with `model`'s decoding weights whose decoder layers fold beams
-    (FastDecoderLayer); without an encoder, which a step does not run."""
-    from .model import FastDecoderLayer
-
+def traced_model(model: Transformer, decoder_layer: type) -> Transformer:
+    """A reference Transformer with `model`'s decoding weights whose decoder layers are of the fast
+    class `decoder_layer` (FastDecoderLayer: beams folded); without an encoder, which a step does not run."""
     reference = Transformer(model.cfg)
     missing, unexpected = reference.load_state_dict(step_weights(model), strict=False)
     if unexpected or any(not k.startswith(("encoder_layers.", "src_embed.")) for k in missing):
         raise ValueError(f"the decoding step's weights do not match the model's: {missing + unexpected}")
     for layer in reference.decoder_layers:
-        layer.__class__ = FastDecoderLayer
+        layer.__class__ = decoder_layer
     reference.encoder_layers, reference.src_embed = nn.ModuleList(), None
     return reference.eval()
 
@@ -152,7 +151,7 @@ def example(model: Transformer, width: int) -> tuple:
     return tokens, torch.tensor([1]), src_mask, buffers[:n], buffers[n:], memory[:n], memory[n:]
 
 
-def compile_step(model: Transformer, width: int, path: Path) -> None:
+def compile_step(model: Transformer, width: int, path: Path, decoder_layer: type) -> None:
     """Export `model`'s step for one row per sentence (width 1) or several (width 2: any beam) and
     compile it with AOTInductor into the package `path`."""
     from torch.export import Dim
@@ -164,7 +163,9 @@ def compile_step(model: Transformer, width: int, path: Path) -> None:
     tokens = {0: sentences} if width == 1 else {0: sentences, 1: rows[1]}
     dynamic = (tokens, None, {0: sentences, 3: source}, [rows] * n, [rows] * n, [memory] * n, [memory] * n)
     with torch.no_grad():
-        program = torch.export.export(Step(traced_model(model)), example(model, width), dynamic_shapes=dynamic)
+        program = torch.export.export(
+            Step(traced_model(model, decoder_layer)), example(model, width), dynamic_shapes=dynamic
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
     torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
@@ -192,18 +193,14 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX") or "g++")
 
 
-def unsupported(model: nn.Module) -> str | None:
+def unsupported(model: Transformer, decoder_layer: type) -> str | None:
     """Why the fast `model` has no compiled step (a reason for the log), or None."""
-    from .attention import FastMultiHeadAttention
-    from .int8 import Int8Linear
-    from .model import FastDecoderLayer
-
     if any(isinstance(m, Int8Linear) for m in model.decoder_layers.modules()):
         return "int8 layers in the decoder (runtime.precision=int8) decode eagerly"
     variants = {type(m).__name__ for m in model.modules() if isinstance(m, MultiHeadAttention) and type(m) is not FastMultiHeadAttention}  # fmt: skip
     if variants:
         return f"attention variants ({', '.join(sorted(variants))}) keep state of their own"
-    if any(type(m) is not FastDecoderLayer for m in model.decoder_layers):
+    if any(type(m) is not decoder_layer for m in model.decoder_layers):
         return "decoder layers of another class"
     return None
 
@@ -231,10 +228,11 @@ def weights_digest(model: Transformer) -> str:
 
 class CompiledStep:
     """A model's compiled steps (`runtime.compiled_step`: None = kept ones only, True = compile a
-    missing one, False = never): `take` says whether one runs a given step, `__call__` runs it."""
+    missing one, False = never): `take` says whether one runs a given step, `__call__` runs it.
+    decoder_layer: the fast decoder-layer class the traced model's layers get (FastDecoderLayer)."""
 
-    def __init__(self, setting: bool | None):
-        self.setting = setting
+    def __init__(self, setting: bool | None, decoder_layer: type):
+        self.setting, self.decoder_layer = setting, decoder_layer
         self.programs: dict[int, object] = {}  # width class (1, or 2 for several rows per sentence) -> program
         self.digest: str | None = None
 
@@ -266,7 +264,7 @@ class CompiledStep:
     def find(self, model: Transformer, width: int):
         """The program for `width`, loaded or compiled, or None; logs which and why once."""
         what = "one row per sentence" if width == 1 else "several rows per sentence"
-        reason = unsupported(model)
+        reason = unsupported(model, self.decoder_layer)
         if reason is not None:
             log_once(f"compiled decoding step: not used, {reason}")
             return None
@@ -286,7 +284,7 @@ class CompiledStep:
             log_once(f"compiled decoding step ({what}): compiling it once for this model and CPU into {path}")
             start = time.perf_counter()
             try:
-                compile_step(model, width, path)
+                compile_step(model, width, path, self.decoder_layer)
             except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the eager step
                 log.warning("compiled decoding step (%s): compiling failed (%s: %s), eager steps", what, type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
                 return None

@@ -27,7 +27,7 @@ class FastTransformer(Transformer):
     def adopt(self, runtime) -> None:
         self.tied_packed, self.onednn, self.chunked_loss = PackedWeight(runtime.inference_by_rows), runtime.onednn, runtime.chunked_loss  # fmt: skip
         self.onednn_inference, self.fp32_cross = runtime.onednn_inference, runtime.fp32_cross
-        self.compiled_step = CompiledStep(runtime.compiled_step)
+        self.compiled_step = CompiledStep(runtime.compiled_step, FastDecoderLayer)
 
     def chunked_cross_entropy(self, out: Tensor, target: Tensor, pad_id: int, smoothing: float, dtype) -> Tensor:
         """The summed label-smoothed loss of the decoder output `out` (forward(project=False)),
