@@ -11,7 +11,9 @@ CTranslate2 (float32; int8 with its vocabulary map). Decoding alone: in-process 
 `rounds` rounds taken in turns, loading excluded (CTranslate2 in a child process of its own, as
 benchmarks/compare_exported.py runs it). Whole process: `translate.py` from start to exit on the
 same lines, teacher fp32 and the student fp32 and int8 with the shortlist, medians of `rounds` in
-turns. isa=avx2 limits every library to AVX2. Ratios are against the teacher's rows measured in
+turns. With compiled=true (the default) the teacher and the student fp32 also run with their compiled
+decoding steps (runtime.compiled_step=true; the other rows with false), and a compiled row's
+ratio to the teacher is to the teacher's compiled row. isa=avx2 limits every library to AVX2. Ratios are against the teacher's rows measured in
 the same run. Prints a table; output= writes JSON. Needs ctranslate2.
 """
 
@@ -57,6 +59,7 @@ class StudentsConfig:
     isa: Optional[str] = None  # e.g. avx2 (transformer/devices.py)
     ct2_batch: int = 64
     whole_process: bool = True  # also time translate.py from start to exit
+    compiled: bool = True  # also the teacher and the student fp32 with runtime.compiled_step=true
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -71,7 +74,9 @@ def decoders(cfg: StudentsConfig, tmp: Path) -> tuple[dict, object]:
     vmap = shortlist_path(Path(cfg.student))
     if not vmap.is_file():
         raise ConfigError(f"the student has no shortlist at {vmap}: distill.py builds it (or scripts/build_shortlist.py)")  # fmt: skip
-    load = lambda path, precision: Translator.load(path, [], "cpu", runtime=RuntimeConfig(precision=precision))  # noqa: E731
+    load = lambda path, precision, compiled=False: Translator.load(
+        path, [], "cpu", runtime=RuntimeConfig(compiled_step=compiled, precision=precision)
+    )  # noqa: E731
     teacher, student, student8 = load(cfg.teacher, "fp32"), load(cfg.student, "fp32"), load(cfg.student, "int8")
     if not teacher.tokenizer.same_as(student.tokenizer):
         raise ConfigError(f"student={cfg.student} has another tokenizer than teacher={cfg.teacher}")
@@ -94,6 +99,10 @@ def decoders(cfg: StudentsConfig, tmp: Path) -> tuple[dict, object]:
     }
     runs["student ours fp32 shortlist"] = with_shortlist(runs["student ours fp32"])
     runs["student ours int8 shortlist"] = with_shortlist(runs["student ours int8"])
+    if cfg.compiled:  # each program compiled on the untimed first call if none is kept
+        runs["teacher ours fp32 compiled"] = ours(load(cfg.teacher, "fp32", True))
+        runs["student ours fp32 compiled"] = ours(load(cfg.student, "fp32", True))
+        runs["student ours fp32 compiled shortlist"] = with_shortlist(runs["student ours fp32 compiled"])
     runs["student ctranslate2 float32"] = theirs("student", student.model, "float32")
     runs["student ctranslate2 int8 vmap"] = with_shortlist(theirs("student", student.model, "int8_float32"))
     return runs, tok
@@ -121,15 +130,20 @@ def whole_processes(cfg: StudentsConfig, texts: list[str], dc: DecodeConfig, tmp
     source = tmp / "input.txt"
     source.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
     search = ["decode=greedy"] if dc.strategy == "greedy" else ["decode=beam", f"decode.beam_size={dc.beam_size}"]
+    eager = "runtime.compiled_step=false"
     commands = {
-        "teacher translate.py fp32": [f"checkpoint={cfg.teacher}"],
-        "student translate.py fp32": [f"checkpoint={cfg.student}"],
+        "teacher translate.py fp32": [f"checkpoint={cfg.teacher}", eager],
+        "student translate.py fp32": [f"checkpoint={cfg.student}", eager],
         "student translate.py int8 shortlist": [
             f"checkpoint={cfg.student}",
+            eager,
             "runtime.precision=int8",
             "decode.shortlist=true",
         ],  # fmt: skip
     }
+    if cfg.compiled:  # with the programs kept by decoding_alone
+        commands["teacher translate.py fp32 compiled"] = [f"checkpoint={cfg.teacher}", "runtime.compiled_step=true"]
+        commands["student translate.py fp32 compiled shortlist"] = [f"checkpoint={cfg.student}", "runtime.compiled_step=true", "decode.shortlist=true"]  # fmt: skip
     seconds = {name: [] for name in commands}
     for _ in range(cfg.rounds):
         for name, args in commands.items():
@@ -141,12 +155,12 @@ def whole_processes(cfg: StudentsConfig, texts: list[str], dc: DecodeConfig, tmp
 
 
 def ratios(rows: list[dict]) -> None:
-    """Each row's sentences/s over the teacher's (ours fp32, same kind of timing) and over
-    CTranslate2 float32 running the teacher's export."""
-    base = {(r["strategy"], r["what"]): r["sentences_per_s"] for r in rows if r["decoder"].startswith("teacher") and "fp32" in r["decoder"]}  # fmt: skip
+    """Each row's sentences/s over the teacher's (ours fp32, same kind of timing, compiled for a
+    compiled row) and over CTranslate2 float32 running the teacher's export."""
+    base = {(r["strategy"], r["what"], "compiled" in r["decoder"]): r["sentences_per_s"] for r in rows if r["decoder"].startswith("teacher") and "fp32" in r["decoder"]}  # fmt: skip
     ct2 = {r["strategy"]: r["sentences_per_s"] for r in rows if r["decoder"] == "teacher ctranslate2 float32"}
     for r in rows:
-        r["vs_teacher_ours"] = r["sentences_per_s"] / base[r["strategy"], r["what"]]
+        r["vs_teacher_ours"] = r["sentences_per_s"] / base[r["strategy"], r["what"], "compiled" in r["decoder"]]
         r["vs_teacher_ctranslate2"] = r["sentences_per_s"] / ct2[r["strategy"]]
 
 
@@ -171,10 +185,10 @@ def main(argv: list[str]) -> None:
     results = {"hardware": hardware(), "teacher": cfg.teacher, "student": cfg.student, "sentences": len(texts), "isa": cfg.isa, "rows": rows}  # fmt: skip
     print(json.dumps(results["hardware"]))
     print(f"{len(texts)} {cfg.split} sentences, {torch.get_num_threads()} threads, medians of {cfg.rounds} in turns, isa={cfg.isa or 'native'}")  # fmt: skip
-    print(f"{'strategy':<9}{'timing':<16}{'decoder':<38}{'BLEU':>7}{'sent/s':>8}{'/teacher':>10}{'/CT2 teacher':>14}")
+    print(f"{'strategy':<9}{'timing':<16}{'decoder':<46}{'BLEU':>7}{'sent/s':>8}{'/teacher':>10}{'/CT2 teacher':>14}")
     for r in rows:
         bleu = f"{r['bleu']:>7.2f}" if "bleu" in r else f"{'':>7}"
-        print(f"{r['strategy']:<9}{r['what']:<16}{r['decoder']:<38}{bleu}{r['sentences_per_s']:>8.0f}{r['vs_teacher_ours']:>9.2f}x{r['vs_teacher_ctranslate2']:>13.2f}x")  # fmt: skip
+        print(f"{r['strategy']:<9}{r['what']:<16}{r['decoder']:<46}{bleu}{r['sentences_per_s']:>8.0f}{r['vs_teacher_ours']:>9.2f}x{r['vs_teacher_ctranslate2']:>13.2f}x")  # fmt: skip
     if cfg.output:
         with exit_on_user_error():
             atomic_write_text(cfg.output, json.dumps(results, indent=2, default=str))
