@@ -4,7 +4,7 @@ kept on disk per model and CPU (runtime.compiled_step).
 
 Why: a decoding step of a small model on few rows (one sentence, greedy or beam 5) is mostly
 operator calls, not arithmetic; compiled, its hundreds of calls become a few fused C++ loops
-(about 2x faster for one sentence; with many rows the products dominate and it gains ~10%,
+(about 2x faster for one sentence; with many rows the products dominate and it gains 15-25%,
 docs/PERFORMANCE.md).
 
 What is traced: a reference Transformer with the same weights whose decoder layers fold each
@@ -25,7 +25,7 @@ model's configuration, the code they are traced from, the CPU and its limits, to
 thread count.
 
 runtime.compiled_step: null (the default) uses a program already kept and never compiles; true
-compiles a missing one (about 20 s per program with a C++ compiler; without one, the
+compiles a missing one (about 25 s per program with a C++ compiler; without one, the
 eager step, logged); false never uses one. Loading a kept program needs no compiler. One log
 line per process says which ran and why.
 """
