@@ -11,10 +11,10 @@ CTranslate2 (float32; int8 with its vocabulary map). Decoding alone: in-process 
 `rounds` rounds taken in turns, loading excluded (CTranslate2 in a child process of its own, as
 benchmarks/compare_exported.py runs it). Whole process: `translate.py` from start to exit on the
 same lines, teacher fp32 and the student fp32 and int8 with the shortlist, medians of `rounds` in
-turns. With compiled=true (the default) the teacher and the student fp32 also run with their compiled
-decoding steps (runtime.compiled_step=true; the other rows with false), and a compiled row's
-ratio to the teacher is to the teacher's compiled row. isa=avx2 limits every library to AVX2. Ratios are against the teacher's rows measured in
-the same run. Prints a table; output= writes JSON. Needs ctranslate2.
+turns. With compiled=true (the default) the teacher and the student fp32 also run with their
+compiled decoding steps (runtime.compiled_step=true; the other rows with false). isa=avx2 limits
+every library to AVX2. Ratios are against the teacher's rows measured in the same run (a compiled
+row's against the teacher's compiled row). Prints a table; output= writes JSON. Needs ctranslate2.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ def decoders(cfg: StudentsConfig, tmp: Path) -> tuple[dict, object]:
     vmap = shortlist_path(Path(cfg.student))
     if not vmap.is_file():
         raise ConfigError(f"the student has no shortlist at {vmap}: distill.py builds it (or scripts/build_shortlist.py)")  # fmt: skip
-    load = lambda path, precision, compiled=False: Translator.load(
-        path, [], "cpu", runtime=RuntimeConfig(compiled_step=compiled, precision=precision)
-    )  # noqa: E731
+
+    def load(path: str, precision: str, compiled: bool = False) -> Translator:
+        return Translator.load(path, [], "cpu", runtime=RuntimeConfig(compiled_step=compiled, precision=precision))
+
     teacher, student, student8 = load(cfg.teacher, "fp32"), load(cfg.student, "fp32"), load(cfg.student, "int8")
     if not teacher.tokenizer.same_as(student.tokenizer):
         raise ConfigError(f"student={cfg.student} has another tokenizer than teacher={cfg.teacher}")

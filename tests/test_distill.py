@@ -149,7 +149,8 @@ def test_the_students_benchmark_times_both_against_the_teachers_rows(teacher, di
     output = tmp_path / "students.json"
     args = ["benchmarks/compare_students.py", f"teacher={teacher}", f"student={distilled[1] / 'student' / 'checkpoint_best.pt'}",
             f"data_dir={shared_corpus}", "sentences=12", "rounds=1", "compiled=false", f"output={output}"]  # fmt: skip
-    result = run(args)  # compiled=false: the compiled rows would compile four programs (tests/test_compiled.py tests them)
+    # compiled=false: the compiled rows would compile four programs (tests/test_compiled.py tests them)
+    result = run(args)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads(output.read_text())["rows"]
     assert {r["what"] for r in rows} == {"decoding alone", "whole process"} and len(rows) == 2 * (9 + 3)

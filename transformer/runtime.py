@@ -22,7 +22,7 @@ class RuntimeConfig:
     onednn_linear: Optional[bool] = None  # oneDNN for fp32 linear layers; null: at inference, in training with AVX-512
     fp32_cross: bool = True  # bf16 decoding on CPU keeps cross-attention keys and values in fp32
     chunked_loss: bool = True  # the output layer and its loss in chunks, never the full logits (fast/loss.py)
-    compiled_step: Optional[bool] = None  # decoding steps of few rows compiled (fast/compiled.py); null: if kept
+    compiled_step: Optional[bool] = None  # decoding steps compiled ahead of time (fast/compiled.py); null: a kept one
     precision: str = "fp32"  # what a loaded model decodes in, chosen when it loads: fp32|bf16|fp16|auto|int8
 
     def __post_init__(self) -> None:

@@ -85,14 +85,6 @@ class BufferCache(KeyValueCache):
         return self.keys, self.values, filled.view(1, 1, 1, -1)
 
 
-class MemoryCache(KeyValueCache):
-    """A cross-attention cache holding the encoder's keys and values (sentences, kv_heads, src_len, head_size)."""
-
-    def __init__(self, k: Tensor, v: Tensor):
-        super().__init__()
-        self.k, self.v = k, v
-
-
 class TracedState(DecoderState):
     """The decoding state of one traced step: every row at `position`, a (1,) tensor."""
 
@@ -117,10 +109,9 @@ class Step(nn.Module):
         self.model = model
 
     def forward(self, tokens, position, src_mask, self_keys, self_values, cross_keys, cross_values):
-        layers = [
-            LayerCache(BufferCache(k.flatten(0, 1), v.flatten(0, 1), position), MemoryCache(ck, cv))
-            for k, v, ck, cv in zip(self_keys, self_values, cross_keys, cross_values)
-        ]
+        layers = [LayerCache(BufferCache(k.flatten(0, 1), v.flatten(0, 1), position), KeyValueCache()) for k, v in zip(self_keys, self_values)]  # fmt: skip
+        for layer, k, v in zip(layers, cross_keys, cross_values):
+            layer.cross.store(k, v)  # the encoder's keys and values, as the eager first step stored them
         state = TracedState(position, layers)
         hidden, _ = self.model.decode(tokens.flatten(0, 1)[:, None], None, src_mask, state, project=False)
         return hidden
