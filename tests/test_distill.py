@@ -19,7 +19,7 @@ from transformer import checkpoint
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig
 from transformer.training.config import DistillConfig
-from transformer.training.distill import filter_pairs
+from transformer.training.distill import differing, filter_pairs
 
 from .conftest import ROOT
 
@@ -93,6 +93,15 @@ def test_each_rule_drops_what_it_names_and_references_join_on_request(tokenizer)
     settings = DistillConfig(max_length_ratio=2.5, drop_worst=0.0, references=True)
     pairs, counts = filter_pairs(sources, references, translations, scores, tokenizer, settings)
     assert counts["kept"] == 3 and counts["references"] == 6 and pairs[3:] == list(zip(sources, references))
+
+
+def test_a_stages_changed_inputs_are_named_a_key_only_one_side_has_included():
+    """A run directory kept from before a setting existed: its new key (null by default) is named
+    in the refusal, which otherwise said 'they differ in )'."""
+    earlier = {"decode": {"beam_size": 5}, "runtime": {"precision": "fp32"}}
+    now = {"decode": {"beam_size": 4}, "runtime": {"precision": "fp32", "compiled_step": None}}
+    assert differing(earlier, now) == ["decode.beam_size", "runtime.compiled_step"]
+    assert differing(now, now) == []
 
 
 def test_select_best_keeps_each_sources_translation_closest_to_its_reference(tokenizer):

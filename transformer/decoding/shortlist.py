@@ -53,16 +53,25 @@ class Shortlist:
     def best(self) -> int:
         return self.table.size(1)
 
-    def candidates(self, src: Tensor, always: Iterable[int] = (), extra: Tensor | None = None) -> list[Tensor]:
-        """Each sentence's sorted target ids: src (batch, src_len) source ids -> per sentence the
-        frequent pieces, its source pieces' translations, `always` (the special tokens) and its row
-        of `extra` (batch, n): its prefix's and its constraints' ids, negative entries ignored."""
+    def candidates(self, src: Tensor, vocab_size: int, always: Iterable[int] = (), extra: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Each sentence's target ids, sorted, one row each padded with vocab_size: src (batch,
+        src_len) source ids -> (batch, most candidates). A sentence's are the frequent pieces, its
+        source pieces' translations, `always` (the special tokens) and its row of `extra` (batch,
+        n): its prefix's and its constraints' ids, negative entries ignored."""
         table = self.table[src.cpu()].flatten(1)  # (batch, src_len * best)
         parts = [table, self.fixed.expand(len(src), -1), torch.tensor(list(always), dtype=torch.long).expand(len(src), -1)]  # fmt: skip
         if extra is not None:
             parts.append(extra.cpu())
-        rows = torch.cat(parts, dim=1)
-        return [row[row >= 0].unique() for row in rows]
+        ids = torch.cat(parts, dim=1)
+        chosen = torch.zeros(len(ids), vocab_size + 1, dtype=torch.bool)  # the last column takes the negative ids
+        chosen.scatter_(1, ids.masked_fill(ids < 0, vocab_size), True)
+        chosen = chosen[:, :vocab_size]
+        counts = chosen.sum(1)
+        sentence, token = chosen.nonzero(as_tuple=True)  # row by row, each row's ids in order
+        place = torch.arange(len(token)) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+        rows = torch.full((len(ids), int(counts.max())), vocab_size, dtype=torch.long)
+        rows[sentence, place] = token
+        return rows
 
     def save(self, path: Path, source_piece: Callable[[int], str], target_piece: Callable[[int], str]) -> None:
         """Write CTranslate2's vocabulary map: `source piece TAB its target pieces`, one line per
@@ -188,20 +197,11 @@ class ShortlistModel:
         (batch, src_len) and of their prefixes and constraints `extra` (batch, n). narrow: its
         logits have a column per candidate of the batch (`columns`), for the searches that read
         processors.Columns (greedy, sampling, beam); else a column per vocabulary token."""
-        candidates = candidate_table(self.shortlist.candidates(src, self.always, extra), self.cfg.vocab_size)
-        candidates = candidates.to(src.device)
+        candidates = self.shortlist.candidates(src, self.cfg.vocab_size, self.always, extra).to(src.device)
         members = getattr(self.model, "models", None)
         if members is None:
             return Shortlisted(self.model, candidates, narrow)
         return type(self.model)([Shortlisted(m, candidates, narrow) for m in members])
-
-
-def candidate_table(candidates: list[Tensor], vocab_size: int) -> Tensor:
-    """(sentences, most candidates) ids, each row padded with vocab_size (a column that is dropped)."""
-    table = torch.full((len(candidates), max(len(c) for c in candidates)), vocab_size, dtype=torch.long)
-    for i, ids in enumerate(candidates):
-        table[i, : len(ids)] = ids
-    return table
 
 
 @dataclass

@@ -111,9 +111,9 @@ class Stage:
 
 def differing(a: dict, b: dict, prefix: str = "") -> list[str]:
     """The keys (dotted, nested ones named in full) whose values differ between a and b."""
-    out = []
+    out, absent = [], object()  # a key only one side has differs, whatever the other's value
     for key in sorted({*a, *b}):
-        x, y = a.get(key), b.get(key)
+        x, y = a.get(key, absent), b.get(key, absent)
         if isinstance(x, dict) and isinstance(y, dict):
             out += differing(x, y, f"{prefix}{key}.")
         elif x != y:
