@@ -12,7 +12,8 @@ grouped by length), the longest of our per-sentence length limits for all; with
 reference=true also ours under runtime=reference (the model as written, which ours fp32 must
 equal), with compiled=true (the default) "ours fp32 compiled", ours fp32 with
 runtime.compiled_step=true (transformer/fast/compiled.py; compiled untimed if none is kept; the
-others run with runtime.compiled_step=false), and "ours fp32 paged", the continuous-batching
+others run with runtime.compiled_step=false) and "ours int8 compiled" (its decoder layers fp32
+in the same program, its encoder and output layer int8), and "ours fp32 paged", the continuous-batching
 engine of serve.py (every sentence joining at the first step, on the paged cache). isa=avx2 limits every library to AVX2. Beam
 search runs at each of length_penalties, passed to both as their length_penalty: our GNMT
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
@@ -66,7 +67,7 @@ class CompareConfig:
     isa: Optional[str] = None  # e.g. avx2: every library limited to that instruction set (transformer/devices.py)
     ct2_batch: int = 64  # CTranslate2's max_batch_size (sentences), as a user would set it
     shortlist: bool = False  # also each decoder with the run's shortlist (scripts/build_shortlist.py)
-    compiled: bool = True  # also ours fp32 with its compiled decoding step (runtime.compiled_step=true)
+    compiled: bool = True  # also ours fp32 and int8 with the compiled decoding step (runtime.compiled_step=true)
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -114,9 +115,11 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     if cfg.compiled:  # compiled on its untimed first call if none is kept (compare: warming up)
         runs["ours fp32 compiled"] = ours(Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(compiled_step=True)))  # fmt: skip
     runs |= {"ours fp32 paged": engine(fp32), "ours int8": ours(int8)}
+    if cfg.compiled:  # int8 with the fp32 decoder layers the compiled step takes (the same program as fp32's)
+        runs["ours int8 compiled"] = ours(Translator.load(cfg.checkpoint, [], "cpu", runtime=RuntimeConfig(compiled_step=True, precision="int8")))  # fmt: skip
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     if cfg.shortlist:  # the run's shortlist: ours with decode.shortlist, CTranslate2 with use_vmap
-        runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours fp32 compiled", "ours int8", "ctranslate2 float32", "ctranslate2 int8") if name in runs}  # fmt: skip
+        runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours fp32 compiled", "ours int8", "ours int8 compiled", "ctranslate2 float32", "ctranslate2 int8") if name in runs}  # fmt: skip
     return runs, tokenizer, limit
 
 

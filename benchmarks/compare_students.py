@@ -12,7 +12,8 @@ CTranslate2 (float32; int8 with its vocabulary map). Decoding alone: in-process 
 benchmarks/compare_exported.py runs it). Whole process: `translate.py` from start to exit on the
 same lines, teacher fp32 and the student fp32 and int8 with the shortlist, medians of `rounds` in
 turns. With compiled=true (the default) the teacher and the student fp32 also run with their
-compiled decoding steps (runtime.compiled_step=true; the other rows with false). isa=avx2 limits
+compiled decoding steps (runtime.compiled_step=true; the other rows with false), and the student
+in int8 with its shortlist (decoder layers fp32 in the program, encoder and output layer int8). isa=avx2 limits
 every library to AVX2. Ratios are against the teacher's rows measured in the same run (a compiled
 row's against the teacher's compiled row). Prints a table; output= writes JSON. Needs ctranslate2.
 """
@@ -104,6 +105,7 @@ def decoders(cfg: StudentsConfig, tmp: Path) -> tuple[dict, object]:
         runs["teacher ours fp32 compiled"] = ours(load(cfg.teacher, "fp32", True))
         runs["student ours fp32 compiled"] = ours(load(cfg.student, "fp32", True))
         runs["student ours fp32 compiled shortlist"] = with_shortlist(runs["student ours fp32 compiled"])
+        runs["student ours int8 compiled shortlist"] = with_shortlist(ours(load(cfg.student, "int8", True)))
     runs["student ctranslate2 float32"] = theirs("student", student.model, "float32")
     runs["student ctranslate2 int8 vmap"] = with_shortlist(theirs("student", student.model, "int8_float32"))
     return runs, tok
@@ -145,6 +147,7 @@ def whole_processes(cfg: StudentsConfig, texts: list[str], dc: DecodeConfig, tmp
     if cfg.compiled:  # with the programs kept by decoding_alone
         commands["teacher translate.py fp32 compiled"] = [f"checkpoint={cfg.teacher}", "runtime.compiled_step=true"]
         commands["student translate.py fp32 compiled shortlist"] = [f"checkpoint={cfg.student}", "runtime.compiled_step=true", "decode.shortlist=true"]  # fmt: skip
+        commands["student translate.py int8 compiled shortlist"] = [f"checkpoint={cfg.student}", "runtime.compiled_step=true", "runtime.precision=int8", "decode.shortlist=true"]  # fmt: skip
     seconds = {name: [] for name in commands}
     for _ in range(cfg.rounds):
         for name, args in commands.items():

@@ -1,7 +1,7 @@
 """The compiled decoding step (transformer/fast/compiled.py) against the eager step it replaces:
 the same decoder outputs step by step, the same translations in greedy and beam search (beams
-reordered and sentences dropped between compiled steps), a kept program found by a new model,
-and without a C++ compiler the eager step, said in the log."""
+reordered and sentences dropped between compiled steps), a kept program found by a new model and
+by its int8 twin (fp32 decoder layers), and without a C++ compiler the eager step, said in the log."""
 
 import logging
 import shutil
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from transformer.decoding import DecodeConfig, beam_search, greedy
-from transformer.fast import accelerate, compiled
+from transformer.fast import accelerate, compiled, int8
 from transformer.model import attention_variants, padding_mask
 from transformer.runtime import RuntimeConfig
 
@@ -85,6 +85,18 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
     with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
         assert search(fast_model(None, **variant), src)[0] == greedy_eager
     assert "steps after the first run" in caplog.text and 15 in rows
+
+    # int8 with the compiled step: the decoder layers stay fp32 and take the same programs; the
+    # translations are those of the same quantized model decoding eagerly.
+    monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: int8.Int8Plan(int8.exact_weight_levels(), "test"))
+    rows.clear()
+    quantized = accelerate(make_model("reference", **variant), RuntimeConfig(onednn_linear=False, compiled_step=True), int8=True)  # fmt: skip
+    twin = int8.quantize_int8(fast_model(False, **variant), onednn=False, keep=("decoder_layers",))
+    assert not any(isinstance(m, int8.Int8Linear) for m in quantized.decoder_layers.modules())
+    assert any(isinstance(m, int8.Int8Linear) for m in quantized.encoder_layers.modules())
+    (greedy_int8, beams_int8), (greedy_twin, beams_twin) = search(quantized, src), search(twin, src)
+    assert 5 in rows and 15 in rows and greedy_int8 == greedy_twin
+    assert [[h.tokens for h in b] for b in beams_int8] == [[h.tokens for h in b] for b in beams_twin]
 
 
 def test_without_a_compiler_the_eager_step_runs_and_says_why(tmp_path, monkeypatch, caplog):

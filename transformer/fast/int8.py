@@ -251,14 +251,23 @@ def tied_projection(model: nn.Module) -> nn.Linear | None:
     return projection
 
 
-def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
+def quantize_int8(model: nn.Module, onednn: bool = True, keep: tuple[str, ...] = (), why: str = "") -> nn.Module:
     """Replace, in place, every nn.Linear of `model` (fast/linear.py's `FastLinear` included) by an
     Int8Linear (torch's convention for quantized modules), and make a Transformer with a tied
-    output projection an Int8TiedOutput (the embedding lookup stays fp32): each layer whose shape kernel_plan finds exact and faster in int8 on this
-    CPU; the others stay fp32, and the log says which and why. Returns `model`."""
+    output projection an Int8TiedOutput (the embedding lookup stays fp32): each layer whose shape
+    kernel_plan finds exact and faster in int8 on this CPU; the others stay fp32, and the log says
+    which and why. The layers under the submodules named in `keep` (e.g. "decoder_layers") stay
+    fp32 whatever their plan; `why` is said for them in the log. Returns `model`."""
     if not available():
         raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
-    layers = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if type(child) in (nn.Linear, FastLinear)]  # fmt: skip
+    kept = tuple(f"{name}." for name in keep)
+    layers = [
+        (parent, name, child)
+        for path, parent in model.named_modules()
+        if not f"{path}.".startswith(kept)
+        for name, child in parent.named_children()
+        if type(child) in (nn.Linear, FastLinear)
+    ]
     tied = tied_projection(model)
     if tied is not None:
         layers.append((model, "int8_output", tied))
@@ -272,5 +281,6 @@ def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
                 model.__class__ = with_int8_output(type(model))
     if plans:
         fp32 = all(plan.weight_levels is None for plan in plans.values())
-        log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", describe(plans))
+        line = describe(plans) + (f"; {', '.join(keep)} kept in fp32: {why}" if keep else "")
+        log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", line)
     return model
