@@ -26,11 +26,13 @@ def fresh_log():
     compiled.log_once.cache_clear()  # each test reads the lines it logs
 
 
-def fast_model(setting, **overrides):
-    """A tiny fast model with runtime.compiled_step=setting. Its products stay on BLAS: by default
-    the first products of each shape alternate between BLAS and oneDNN (fast/linear.py: by_rows),
-    whose roundings differ, so two runs of one model could part at a near tie of the random weights."""
-    return accelerate(make_model("reference", **overrides), RuntimeConfig(onednn_linear=False, compiled_step=setting))
+def fast_model(setting, int8=False, **overrides):
+    """A tiny fast model with runtime.compiled_step=setting (int8: runtime.precision=int8). Its
+    products stay on BLAS: by default the first products of each shape alternate between BLAS and
+    oneDNN (fast/linear.py: by_rows), whose roundings differ, so two runs of one model could part
+    at a near tie of the random weights."""
+    runtime = RuntimeConfig(onednn_linear=False, compiled_step=setting)
+    return accelerate(make_model("reference", **overrides), runtime, int8=int8)
 
 
 def count_compiled(monkeypatch) -> list[int]:
@@ -90,7 +92,7 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
     # translations are those of the same quantized model decoding eagerly.
     monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: int8.Int8Plan(int8.exact_weight_levels(), "test"))
     rows.clear()
-    quantized = accelerate(make_model("reference", **variant), RuntimeConfig(onednn_linear=False, compiled_step=True), int8=True)  # fmt: skip
+    quantized = fast_model(True, int8=True, **variant)
     twin = int8.quantize_int8(fast_model(False, **variant), onednn=False, keep=("decoder_layers",))
     assert not any(isinstance(m, int8.Int8Linear) for m in quantized.decoder_layers.modules())
     assert any(isinstance(m, int8.Int8Linear) for m in quantized.encoder_layers.modules())

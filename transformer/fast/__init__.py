@@ -129,11 +129,10 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = F
         line = ", ".join(f"{name} x{count}" for name, count in installed.items())
         line += f"; kept the variants' own {', '.join(kept)}" if kept else ""
         log_once(f"{runtime.describe()} | installed {line}")
-    if int8 and runtime.fast and runtime.compiled_step:  # the program takes fp32 decoder layers alone
+    if int8:  # the compiled step's program takes fp32 decoder layers alone
+        keep = ("decoder_layers",) if runtime.fast and runtime.compiled_step else ()
         why = "runtime.compiled_step=true runs them in the compiled decoding step (fast/compiled.py)"
-        quantize_int8(transformer, runtime.onednn_inference, keep=("decoder_layers",), why=why)
-    elif int8:
-        quantize_int8(transformer, runtime.fast and runtime.onednn_inference)
+        quantize_int8(transformer, runtime.fast and runtime.onednn_inference, keep=keep, why=why)
     return transformer
 
 
