@@ -144,6 +144,22 @@ def variant_id(variant: dict) -> str:
     return ",".join(f"{k}={getattr(v, 'kind', v)}" for k, v in variant.items()) or "standard"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that talked to serve.py shows the server's log beside the traceback (its
+    stderr is otherwise kept only in the Server object), ending with its threads' stacks if it still
+    runs: a hang or a 500 says what the server was doing."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        from .servers import Server
+
+        for name, value in getattr(item, "funcargs", {}).items():
+            if isinstance(value, Server):
+                value.dump_threads()
+                report.sections.append((f"serve.py log ({name})", "".join(value.log[-200:])))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The oneDNN kernels the CPU-dependent fast paths ran (tests/test_kernels.py), and the CPU."""
     lines = [value for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("skipped", [])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -53,12 +54,20 @@ def loaded_translator(model_path: Path) -> Translator:
     return Translator(model, tokenizer, "cpu", DecodeConfig(max_len_a=0.5, max_len_b=6))
 
 
+DUMPABLE = (
+    "import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 class Server:
     """serve.py in a subprocess on a free port; `url` once it listens. The log lines of its stderr
     are collected in `log` by a thread, so that a full pipe never stalls it."""
 
     def __init__(self, *args: str, env: dict | None = None):
-        command = [sys.executable, "serve.py", "port=0", *args]
+        # serve.py as run from a shell, with Python's stack dump of every thread on SIGUSR1
+        # (`dump_threads`: what a hung server was doing, for the report of the test that waited)
+        command = [sys.executable, "-c", DUMPABLE, "serve.py", "port=0", *args]
         environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=environ)
         self.log: list[str] = []
@@ -75,6 +84,12 @@ class Server:
             if "Application startup complete" in line or "Uvicorn running" in line:
                 self.listening.set()
         self.listening.set()  # it exited
+
+    def dump_threads(self, seconds: float = 2) -> None:
+        """Ask a running server for its threads' stacks; they reach `log` through its stderr."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGUSR1)
+            time.sleep(seconds)
 
     def wait(self, timeout: float = 120) -> Server:
         if not self.listening.wait(timeout) or self.url is None or self.process.poll() is not None:
