@@ -19,8 +19,8 @@ search runs at each of length_penalties, passed to both as their length_penalty:
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so
 the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds` times, the four
 taking turns; the seconds are medians of the decoding alone (no loading), and sentences/s is
-sentences / seconds. With shortlist=true, each of ours and CTranslate2's also runs with the run's
-lexical shortlist (decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
+sentences / seconds; decoders=[NAME, ...] runs only those rows (and ours fp32). With
+shortlist=true, each of ours and CTranslate2's also runs with the run's lexical shortlist (decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
 Prints a table and writes JSON to output= if given.
 Needs ctranslate2.
 """
@@ -68,6 +68,7 @@ class CompareConfig:
     ct2_batch: int = 64  # CTranslate2's max_batch_size (sentences), as a user would set it
     shortlist: bool = False  # also each decoder with the run's shortlist (scripts/build_shortlist.py)
     compiled: bool = True  # also ours fp32 and int8 with the compiled decoding step (runtime.compiled_step=true)
+    decoders: Optional[list[str]] = None  # only these rows, by name (ours fp32 always: the shares are against it)
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -120,7 +121,17 @@ def decoders(cfg: CompareConfig, directory: Path) -> tuple[dict, object, int]:
     runs |= {"ctranslate2 float32": theirs("float32"), "ctranslate2 int8": theirs("int8_float32")}
     if cfg.shortlist:  # the run's shortlist: ours with decode.shortlist, CTranslate2 with use_vmap
         runs |= {f"{name} shortlist": with_shortlist(runs[name]) for name in ("ours fp32", "ours fp32 compiled", "ours int8", "ours int8 compiled", "ctranslate2 float32", "ctranslate2 int8") if name in runs}  # fmt: skip
-    return runs, tokenizer, limit
+    return chosen(runs, cfg.decoders), tokenizer, limit
+
+
+def chosen(runs: dict, names: list[str] | None) -> dict:
+    """The decoders named (all when None), and ours fp32, which the shares are measured against."""
+    if names is None:
+        return runs
+    unknown = [name for name in names if name not in runs]
+    if unknown:
+        raise ConfigError(f"decoders: no decoder named {', '.join(map(repr, unknown))}; with these settings they are {', '.join(runs)}")  # fmt: skip
+    return {name: run for name, run in runs.items() if name == "ours fp32" or name in names}
 
 
 def with_shortlist(run):

@@ -116,3 +116,18 @@ def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
     assert all(len(h) == 5 and all(tokenizer.id_to_piece(tokenizer.piece_to_id(p)) == p for p in h) for h in hypotheses)
     with pytest.raises(RuntimeError, match="CTranslate2 \\(float32\\) failed"):
         CTranslate2InChild(str(tmp_path / "missing"), "float32", 1, pieces, options)()
+
+
+def test_compare_exported_runs_the_decoders_named_and_ours_fp32():
+    from transformer.errors import ConfigError
+
+    from .servers import load_entry
+
+    script = load_entry("benchmarks/compare_exported.py")
+    runs = {"ours fp32": 1, "ours int8 compiled": 2, "ctranslate2 float32": 3, "ctranslate2 int8": 4}
+    assert script.chosen(runs, None) == runs
+    assert script.chosen(runs, ["ctranslate2 int8", "ours int8 compiled"]) == {"ours fp32": 1, "ours int8 compiled": 2, "ctranslate2 int8": 4}  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="no decoder named 'ours int8 shortlist'; with these settings they are ours fp32, "
+    ):
+        script.chosen(runs, ["ours int8 shortlist"])
