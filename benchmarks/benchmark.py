@@ -7,8 +7,9 @@
     python benchmarks/benchmark.py presets=[small_modern] implementations=[ours,ours-blas,ours-onednn] isa=avx2
     python benchmarks/benchmark.py presets=[small_modern] implementations=[ours,ours-spin-default] busy=1 rounds=3
 
-The implementations and presets are built in training_peers.py. Presets: small (3+3 layers, d_model 256), base (6+6, 512), and small_modern, the default recipe's
-model (small with model/small_modern's block: measured for ours only, the peers lack that block).
+The implementations and presets are built in training_peers.py. Presets: small (3+3 layers,
+d_model 256), base (6+6, 512), and small_modern, the default recipe's model (small with
+model/small_modern's block: measured for ours only, the peers lack that block).
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
 (grouped by token count), each implementation runs forward + backward + Adam step:
   ours          transformer.model.Transformer

@@ -20,7 +20,8 @@ penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike
 the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds` times, the four
 taking turns; the seconds are medians of the decoding alone (no loading), and sentences/s is
 sentences / seconds; decoders=[NAME, ...] runs only those rows (and ours fp32). With
-shortlist=true, each of ours and CTranslate2's also runs with the run's lexical shortlist (decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
+shortlist=true, each of ours and CTranslate2's also runs with the run's lexical shortlist
+(decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
 Prints a table and writes JSON to output= if given.
 Needs ctranslate2.
 """
