@@ -1,12 +1,13 @@
 """The ISA matrix (`make test-isa`, run by CI after `make test`): the tests marked `isa` (a fast
 path against its reference, the decoding equalities, the kernels each CPU-dependent fast path
 runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
-through their own switches (ISA_LIMITS in transformer/devices.py): oneDNN's
-ONEDNN_MAX_CPU_ISA, ATen's ATEN_CPU_CAPABILITY and MKL's MKL_ENABLE_INSTRUCTIONS. A limit above
-what the CPU has changes nothing (the kernels listed show it). Each setting proves it took
-effect: tests/test_isa_limits.py checks ATen's capability and CTranslate2's ISA against the
-limit, tests/test_kernels.py every oneDNN kernel's ISA, and a setting whose report lacks those
-lines fails. Prints each setting's result, time and kernels; exits 1 if any setting failed.
+through their own switches (ISA_LIMITS in transformer/devices.py): oneDNN's ONEDNN_MAX_CPU_ISA,
+ATen's ATEN_CPU_CAPABILITY, MKL's MKL_ENABLE_INSTRUCTIONS and FBGEMM's FBGEMM_ENABLE_INSTRUCTIONS.
+A limit above what the CPU has changes nothing (the kernels listed show it). Each setting proves
+it took effect: tests/test_isa_limits.py checks ATen's capability, CTranslate2's ISA and FBGEMM's
+saturation against the limit, tests/test_kernels.py every oneDNN kernel's ISA, and a setting
+whose report lacks those lines fails. Prints each setting's result, time and kernels; exits 1 if
+any setting failed.
 
     python -m tests.isa_matrix                       # every setting
     python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
@@ -36,7 +37,7 @@ SETTINGS = {
 
 
 # The lines a setting's report must hold to show that its limits took effect (tests/test_isa_limits.py).
-PROOFS = ("ATen: ", "CTranslate2: ")
+PROOFS = ("ATen: ", "CTranslate2: ", "FBGEMM: ")
 
 
 def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> tuple[bool, float, list[str], str]:

@@ -15,7 +15,15 @@ from transformer import checkpoint
 from transformer.data.batching import pad
 from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
-from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8, quantize_rows
+from transformer.fast.int8 import (
+    KERNELS,
+    Int8Linear,
+    describe,
+    exact_weight_levels,
+    kernel_plan,
+    quantize_int8,
+    quantize_rows,
+)
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -25,15 +33,19 @@ from .conftest import make_model
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 
 
-@pytest.fixture
-def int8_is_fast(monkeypatch, tmp_path):
-    """For tests of what an all-int8 model computes: the start-up check's timing, which decides
-    per layer shape whether a loaded machine decodes in int8 at all, is taken as passed, so every
-    layer is int8 (the real decision has its own tests below), with no timing kept from before."""
+@pytest.fixture(params=list(KERNELS))
+def int8_is_fast(request, monkeypatch, tmp_path):
+    """For tests of what an all-int8 model computes, on each int8 kernel: the start-up check's
+    timing, which decides per layer shape whether a loaded machine decodes in int8 at all and on
+    which kernel, is taken as passed with this kernel the faster, so every layer is int8 on it (the
+    real decision has its own tests below), with no timing kept from before. Returns the kernel."""
+    if exact_weight_levels(request.param) is None:
+        pytest.skip(f"int8 on {request.param} is not used here: no exact int8 product of it on this CPU")
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(transformer.fast.int8, "int8_to_fp32_time", lambda *args: 0.5)
+    ratio = lambda levels, onednn, shape, kernel: 0.5 if kernel == request.param else 0.9  # noqa: E731
+    monkeypatch.setattr(transformer.fast.int8, "int8_to_fp32_time", ratio)
     kernel_plan.cache_clear()
-    yield
+    yield request.param
     kernel_plan.cache_clear()
 
 
@@ -90,15 +102,15 @@ def assert_int8_agrees_with_fp32(fp32, int8, tokenizer, de: list[str], en: list[
 
 
 @pytest.mark.e2e
-@pytest.mark.usefixtures("int8_is_fast")
 @pytest.mark.parametrize("fast", [True, False])
-def test_int8_decoding_agrees_with_fp32(saved, fast):
-    """With every linear layer in int8, through the real loading path: predictions agree with fp32
-    within int8's rounding (assert_int8_agrees_with_fp32)."""
+def test_int8_decoding_agrees_with_fp32(saved, fast, int8_is_fast):
+    """With every linear layer in int8 on each kernel, through the real loading path: predictions
+    agree with fp32 within int8's rounding (assert_int8_agrees_with_fp32)."""
     path, (de, en) = saved
     fp32, int8 = (Translator.load(path, [], "cpu", runtime=RuntimeConfig(fast=fast, precision=p)) for p in ("fp32", "int8"))  # fmt: skip
     assert not [m for m in int8.model.modules() if isinstance(m, nn.Linear)]  # every one quantized
-    assert any(isinstance(m, Int8Linear) for m in int8.model.modules())
+    layers = [m for m in int8.model.modules() if isinstance(m, Int8Linear)]
+    assert layers and {m.kernel for m in layers} == {int8_is_fast}
     assert_int8_agrees_with_fp32(fp32.model, int8.model, fp32.tokenizer, de, en)
 
 
@@ -119,8 +131,9 @@ def test_int8_loading_follows_the_start_up_check(saved, fast, caplog):
     assert f"runtime.precision=int8: {describe(plans)}" in caplog.text
     layers = dict(int8.model.named_modules())
     for name, m in linear.items():
-        quantized = plans[m.in_features, m.out_features].weight_levels is not None
-        assert type(layers[name]) is (Int8Linear if quantized else type(m)), name
+        plan = plans[m.in_features, m.out_features]
+        assert type(layers[name]) is (type(m) if plan.weight_levels is None else Int8Linear), name
+        assert plan.weight_levels is None or layers[name].kernel == plan.kernel, name
     assert_int8_agrees_with_fp32(fp32.model, int8.model, fp32.tokenizer, de, en)
 
 
@@ -137,16 +150,17 @@ def test_int8_is_a_precision_chosen_at_load_time():
     assert not hasattr(DecodeConfig(), "precision")  # not a per-call setting
 
 
-def test_int8_rows_are_independent_and_close_to_fp32():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_int8_rows_are_independent_and_close_to_fp32(kernel):
     """Each row is quantized by its own scale: a row's output is the same alone or batched with a
     row 100 times larger (one scale per call, as torch's dynamic quantization has, fails this),
     and within int8's rounding of the fp32 product."""
-    levels = exact_weight_levels()
+    levels = exact_weight_levels(kernel)
     if levels is None:
-        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+        pytest.skip(f"int8 on {kernel} is not used here: no exact int8 product of it on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    layer = Int8Linear(linear, levels)
+    layer = Int8Linear(linear, levels, kernel=kernel)
     x = torch.randn(3, 64)
     with torch.no_grad():
         alone, expected = layer(x[:1]), linear(x[:1])
@@ -155,19 +169,20 @@ def test_int8_rows_are_independent_and_close_to_fp32():
     assert (alone - expected).norm() <= 0.05 * expected.norm()
 
 
-def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows():
-    """On whatever kernel this CPU (or ISA limit) gives, including inputs and weights at their
-    extremes, where kernels that add u8 x s8 pairs in 16 bits saturate: the product equals the
-    integer product of the quantized rows and weights, scaled."""
-    levels = exact_weight_levels()
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows(kernel):
+    """On each int8 kernel, at the instructions this CPU (or ISA limit) gives it, including inputs
+    and weights at their extremes, where kernels that add u8 x s8 pairs in 16 bits saturate: the
+    product equals the integer product of the quantized rows and weights, scaled."""
+    levels = exact_weight_levels(kernel)
     if levels is None:
-        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
+        pytest.skip(f"int8 on {kernel} is not used here: no exact int8 product of it on this CPU")
     torch.manual_seed(0)
     linear = nn.Linear(96, 40, bias=False)
     with torch.no_grad():
         linear.weight[:4] = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]  # rows at the extremes
     x = torch.cat([torch.ones(2, 96), -torch.ones(2, 96), torch.randn(5, 96)])
-    layer = Int8Linear(linear, levels)
+    layer = Int8Linear(linear, levels, kernel=kernel)
     q_w, w_scale = quantize_rows(linear.weight.detach(), levels)
     q_x, x_scale = quantize_rows(x)
     expected = (q_x.double() @ q_w.double().t()) * x_scale.double() * w_scale.double().t()
@@ -175,33 +190,49 @@ def test_int8_layers_compute_the_exact_integer_product_of_their_quantized_rows()
         torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplog, tmp_path):
-    """Where full-range int8 weights give inexact products the weights are narrowed; where no
-    range is exact, int8 stays off; a layer shape that is slower in int8 than in fp32 stays fp32,
-    the others do not; the log says which and why."""
+def test_the_start_up_check_narrows_the_weights_chooses_the_kernel_or_keeps_fp32(monkeypatch, caplog, tmp_path):
+    """Where full-range int8 weights give inexact products on a kernel the weights are narrowed;
+    where no range is exact on it, that kernel is not used, and with neither, int8 stays off; of
+    the exact kernels the faster is used; a layer shape that is slower in int8 than in fp32 on both
+    stays fp32, the others do not; the log says which and why."""
     int8 = transformer.fast.int8
 
-    def plan_with(exact: set[int], ratio) -> None:
+    def plan_with(exact: dict[str, set[int]], ratio) -> None:
+        """exact: the weight ranges exact on each kernel; ratio(shape, kernel): int8's time over fp32's."""
         monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / str(len(list(tmp_path.iterdir())))))  # none kept
-        monkeypatch.setattr(int8, "exact_products", lambda levels: levels in exact)
-        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape: ratio(shape))
+        monkeypatch.setattr(int8, "exact_products", lambda levels, kernel: levels in exact[kernel])
+        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape, kernel: ratio(shape, kernel))
         int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
 
+    def both(levels: set[int]) -> dict[str, set[int]]:
+        return {kernel: levels for kernel in KERNELS}
+
     try:
-        plan_with({127, 63}, lambda shape: 0.5)
-        assert int8.kernel_plan().weight_levels == 127
-        plan_with({63}, lambda shape: 0.5)
+        plan_with(both({127, 63}), lambda shape, kernel: 0.5)
+        assert (int8.kernel_plan().weight_levels, int8.kernel_plan().kernel) == (127, "onednn")  # a tie: oneDNN
+        plan_with(both({63}), lambda shape, kernel: 0.5)
         assert int8.kernel_plan().weight_levels == int8.NARROW_WEIGHTS
         assert "saturates" in int8.describe({(8, 8): int8.kernel_plan(True, (8, 8))})
-        plan_with(set(), lambda shape: 0.5)
+        plan_with(both(set()), lambda shape, kernel: 0.5)
         assert int8.kernel_plan().weight_levels is None
-        plan_with({127}, lambda shape: 3.0 if shape == (8, 16) else 0.5)  # the wider layer is slower in int8
+        plan_with({"onednn": {127}, "fbgemm": {63}}, lambda shape, kernel: 0.6 if kernel == "fbgemm" else 0.8)
+        assert (int8.kernel_plan().weight_levels, int8.kernel_plan().kernel) == (63, "fbgemm")
+        model = nn.Sequential(nn.Linear(8, 8))
+        with caplog.at_level("INFO"):
+            assert quantize_int8(model)[0].kernel == "fbgemm"
+        assert "8x8 took FBGEMM 0.60x, oneDNN 0.80x fp32's time: FBGEMM" in caplog.text
+        plan_with({"onednn": {127}, "fbgemm": set()}, lambda shape, kernel: 0.3 if kernel == "fbgemm" else 0.8)
+        assert int8.kernel_plan().kernel == "onednn"
+        assert "FBGEMM's int8 product is not exact on this CPU" in int8.kernel_plan().reason
+        slower = lambda shape, kernel: 3.0 if shape == (8, 16) else 0.5  # noqa: E731 (the wider layer is slower in int8)
+        plan_with(both({127}), slower)
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 16))
         with caplog.at_level("INFO"):
             quantize_int8(model)
         assert [type(layer) for layer in model] == [Int8Linear, nn.Linear]
-        assert "8x16 took 3.00x fp32's time" in caplog.text and "8x8 took 0.50x" in caplog.text
-        plan_with({127}, lambda shape: 3.0)
+        assert "8x16 took oneDNN 3.00x, FBGEMM 3.00x fp32's time" in caplog.text
+        assert "8x8 took oneDNN 0.50x" in caplog.text
+        plan_with(both({127}), lambda shape, kernel: 3.0)
         model = nn.Sequential(nn.Linear(8, 8))
         with caplog.at_level("WARNING"):
             assert type(quantize_int8(model)[0]) is nn.Linear
@@ -210,19 +241,16 @@ def test_the_start_up_check_narrows_the_weights_or_keeps_fp32(monkeypatch, caplo
         int8.exact_weight_levels.cache_clear(), int8.kernel_plan.cache_clear()
 
 
-@pytest.mark.usefixtures("int8_is_fast")
 @pytest.mark.parametrize("fast", [True, False])
-def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast):
+def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast, int8_is_fast):
     """A model whose output projection is the embedding matrix keeps `output` None (what tying
     means to the rest of the code) and its output weight the embedding's, while the projection runs
     as an int8 copy: its logits are int8's rounding of the fp32 ones, not the fp32 ones."""
-    if exact_weight_levels() is None:
-        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
     torch.manual_seed(0)
     fp32 = make_model("fast" if fast else "reference", tie_output=True)
     int8 = quantize_int8(copy.deepcopy(fp32), fast)
     assert int8.output is None and int8.output_weight is int8.embed.embed.weight
-    assert isinstance(int8.int8_output, Int8Linear)
+    assert isinstance(int8.int8_output, Int8Linear) and int8.int8_output.kernel == int8_is_fast
     x = torch.randn(2, 3, fp32.cfg.d_model)
     with torch.no_grad():
         expected, got = fp32.project(x), int8.project(x)
@@ -230,16 +258,13 @@ def test_a_tied_output_projection_runs_in_int8_and_stays_tied(fast):
     assert (got - expected).norm() <= 0.05 * expected.norm()
 
 
-@pytest.mark.usefixtures("int8_is_fast")
 @pytest.mark.parametrize("fast", [True, False])
-def test_an_int8_projection_cut_to_some_rows_gives_those_rows_logits(fast):
+def test_an_int8_projection_cut_to_some_rows_gives_those_rows_logits(fast, int8_is_fast):
     """vocabulary_projection (a shortlist's) of an int8 tied projection: each row keeps its own
     weight scale and each input row its own, so the cut's logits are the whole projection's columns."""
-    if exact_weight_levels() is None:
-        pytest.skip("int8 is not used here: no exact int8 product on this CPU")
     torch.manual_seed(0)
     int8 = quantize_int8(make_model("fast" if fast else "reference", tie_output=True), fast)
-    assert isinstance(int8.int8_output, Int8Linear)
+    assert isinstance(int8.int8_output, Int8Linear) and int8.int8_output.kernel == int8_is_fast
     ids = torch.tensor([3, 5, 8, 13, 21, 34])
     x = torch.randn(2, 3, int8.cfg.d_model)
     with torch.no_grad():
@@ -251,12 +276,13 @@ def test_a_timing_is_taken_once_per_machine_and_kept(monkeypatch, tmp_path, capl
     whose timing would say otherwise) makes the same choice; another shape, another instruction-set
     limit or a deleted file is timed again; a cache that cannot be written is a warning, not a failure."""
     int8 = transformer.fast.int8
-    if int8.exact_weight_levels() is None:
+    timed = [kernel for kernel in KERNELS if int8.exact_weight_levels(kernel) is not None]  # each is timed
+    if not timed:
         pytest.skip("int8 is not used here: no exact int8 product on this CPU, so nothing is timed")
     calls = []
 
     def timing(ratio: float):
-        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape: calls.append(shape) or ratio)
+        monkeypatch.setattr(int8, "int8_to_fp32_time", lambda levels, onednn, shape, kernel: calls.append(shape) or ratio)  # fmt: skip
         int8.kernel_plan.cache_clear()  # as a new process
 
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / "cache"))
@@ -266,15 +292,16 @@ def test_a_timing_is_taken_once_per_machine_and_kept(monkeypatch, tmp_path, capl
         assert first.weight_levels is not None and first.timing == "timed now"
         timing(3.0)  # a busy machine
         again = int8.kernel_plan(True, (8, 8))
-        assert (again.weight_levels, again.reason) == (first.weight_levels, first.reason) and calls == [(8, 8)]
+        assert (again.weight_levels, again.reason) == (first.weight_levels, first.reason)
+        assert calls == [(8, 8)] * len(timed)
         assert again.timing.startswith("timed on ") and str(tmp_path / "cache") in int8.describe({(8, 8): again})
-        assert int8.kernel_plan(True, (8, 16)).weight_levels is None and calls == [(8, 8), (8, 16)]
+        assert int8.kernel_plan(True, (8, 16)).weight_levels is None and calls == [(8, 8)] * len(timed) + [(8, 16)] * len(timed)  # fmt: skip
         with monkeypatch.context() as other:  # the key names the limit: another one is timed again
-            other.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE" if os.environ.get("ONEDNN_MAX_CPU_ISA") == "AVX2" else "AVX2")  # fmt: skip
-            assert int8.kernel_plan.__wrapped__(True, (8, 8)).weight_levels is None and len(calls) == 3
+            other.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX512" if os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") == "AVX2" else "AVX2")  # fmt: skip
+            assert int8.kernel_plan.__wrapped__(True, (8, 8)).weight_levels is None and len(calls) == 3 * len(timed)
         (tmp_path / "cache" / "int8_timings.json").unlink()
         int8.kernel_plan.cache_clear()
-        assert int8.kernel_plan(True, (8, 8)).weight_levels is None and len(calls) == 4
+        assert int8.kernel_plan(True, (8, 8)).weight_levels is None and len(calls) == 4 * len(timed)
         (tmp_path / "file").write_text("")
         monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path / "file"))  # not a directory
         timing(0.5)

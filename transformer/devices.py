@@ -48,21 +48,23 @@ def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:
 # The CPU features the fast paths depend on (bf16 and int8 matrix instructions, vector widths),
 # and the variables that keep a library below what the CPU has (set before torch is imported).
 CPU_FEATURES = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "FBGEMM_ENABLE_INSTRUCTIONS")
 
-# The variables that keep oneDNN, ATen's own kernels, MKL and CTranslate2 to lower instruction sets,
-# as on other CPUs: read when each library starts, so set before torch is imported. A limit above
-# what the CPU has changes nothing. Used by the benchmarks' isa= option (benchmarks/) and by tests/isa_matrix.py.
+# The variables that keep oneDNN, ATen's own kernels, MKL, FBGEMM (torch's other int8 product; it
+# reads none of the others) and CTranslate2 to lower instruction sets, as on other CPUs: read when
+# each library starts, so set before torch is imported. A limit above what the CPU has changes nothing. Used by the benchmarks' isa= option (benchmarks/) and by tests/isa_matrix.py.
 ISA_LIMITS = {
     "avx2": {  # AVX2 only: an AMD Zen 3, most laptops
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "ATEN_CPU_CAPABILITY": "avx2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
         "CT2_FORCE_CPU_ISA": "AVX2",
     },
     "avx512_core": {  # AVX-512 without VNNI or BF16: a Skylake-class Xeon
         "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
         "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512",
         "CT2_FORCE_CPU_ISA": "AVX512",
     },
     "avx512_core_bf16": {  # AVX-512 with VNNI and BF16, no AMX: an AMD Zen 4 or 5

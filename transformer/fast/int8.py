@@ -1,6 +1,10 @@
 """int8 decoding on CPU (runtime.precision=int8): every linear layer's weight quantized to int8 per
 output channel once, its input quantized per row (per token) at each product, and the product
-computed in int8 by oneDNN (`torch.ops.onednn.qlinear_pointwise`).
+computed in int8 by one of two kernels in torch, whichever is faster for the layer's shape on this
+CPU: oneDNN's (`torch.ops.onednn.qlinear_pointwise`) or FBGEMM's
+(`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`). On CPUs without VNNI,
+FBGEMM's was 0.5-1.0x fp32's time at every decoding shape measured, where oneDNN's was 0.8-1.45x;
+with VNNI, oneDNN's is faster at the largest shapes.
 
 Why per row: torch's dynamic quantization (`quantize_dynamic`) quantizes a layer's whole input
 with one scale per call, on 7 bits (reduce_range, for FBGEMM's kernels): the scale of a decoding
@@ -14,13 +18,17 @@ products). oneDNN's fast kernels (AMX, AVX512-VNNI, AVX2) take that; given s8 in
 without AMX fell to oneDNN's reference kernel, hundreds of times slower than fp32. So a row
 quantized to q in [-127, 127] is passed as q + 128 with zero point 128: the same product.
 
+FBGEMM takes the same u8 rows with zero point 128: each row is divided by its largest magnitude
+and passed in fp32 with the scale 1/127, which FBGEMM rounds to the same integers, and its fp32
+output is multiplied back by that magnitude.
+
 Why a check at start-up (`kernel_plan`): where the CPU lacks VNNI (AVX2, or
-AVX-512 without VNNI), the kernels add pairs of u8 x s8 products in 16 bits, which saturates for
-large weights and inputs: the product is silently wrong. The check multiplies the worst case
-and compares with the exact integer result: where full-range weights are wrong, the weights
-are quantized to [-63, 63], which cannot saturate; where those are wrong too, decoding stays in
-fp32. Then each layer shape is timed: a shape whose int8 layer is slower than its fp32 one stays
-fp32. A timing is taken once per machine and kept on disk (`plan_cache_path`, keyed by the CPU,
+AVX-512 without VNNI), both kernels add pairs of u8 x s8 products in 16 bits, which saturates for
+large weights and inputs: the product is silently wrong. The check multiplies the worst case on
+each kernel and compares with the exact integer result: where full-range weights are wrong, the
+weights are quantized to [-63, 63], which cannot saturate; where those are wrong too, that kernel
+is not used. Then each layer shape is timed on each exact kernel: the faster one is used, and a
+shape whose int8 layers are all slower than its fp32 one stays fp32. A timing is taken once per machine and kept on disk (`plan_cache_path`, keyed by the CPU,
 its instruction-set limits, torch and the shape), so a busy moment cannot change the choice from
 one run to the next. The log says what was chosen, why, and where the timings are kept.
 
@@ -31,9 +39,12 @@ attention products stay fp32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +62,22 @@ ZERO_POINT = 128  # inputs go to the product as u8: q + 128
 NARROW_WEIGHTS = 63  # weights quantized to [-63, 63]: 2 * 255 * 63 < 2^15, no 16-bit saturation
 
 
+# The int8 products kernel_plan chooses between, by layer shape, with their names for the log.
+KERNELS = {"onednn": "oneDNN", "fbgemm": "FBGEMM"}
+
+
+def kernel_available(kernel: str) -> bool:
+    """Whether this torch build has that int8 product (KERNELS)."""
+    if kernel == "onednn":
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    ops = ("linear_prepack", "linear_with_input_q_dq_qweight_dq_output_fp32")
+    found = hasattr(torch, "quantize_per_channel") and all(hasattr(torch.ops.quantized, op) for op in ops)
+    return found and "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def available() -> bool:
-    """Whether this torch build has oneDNN's quantized linear product."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    """Whether this torch build has an int8 linear product (oneDNN's or FBGEMM's)."""
+    return any(kernel_available(kernel) for kernel in KERNELS)
 
 
 def quantize_rows(x: Tensor, levels: int = ROW_SCALE) -> tuple[Tensor, Tensor]:
@@ -70,52 +94,103 @@ def quantize_inputs(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(torch.uint8).bitwise_xor_(ZERO_POINT), scale
 
 
+def normalize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """FBGEMM's input: each row divided by its largest magnitude, and those (rows, 1) magnitudes.
+    FBGEMM quantizes it with the scale 1 / ROW_SCALE, as quantize_inputs does."""
+    largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    return x / largest, largest
+
+
+# What each kernel's product takes: (input, (rows, 1) scales its output is multiplied by).
+PREPARE: dict[str, Callable[[Tensor], tuple[Tensor, Tensor]]] = {"onednn": quantize_inputs, "fbgemm": normalize_rows}
+
+
 class SharedInputs:
-    """The quantized input of the last int8 layer called, for the next one if it reads the same
-    tensor (a self-attention's key and value projections read their query projection's input).
+    """The prepared input (PREPARE) of the last int8 layer called, for the next one if it reads the
+    same tensor (a self-attention's key and value projections read their query projection's input).
     The tensor is held by a weak reference and checked with its version, so an input changed in
-    place or freed is quantized afresh."""
+    place or freed is prepared afresh."""
 
     def __init__(self):
         self.last: tuple | None = None
 
-    def __call__(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, x: Tensor, kernel: str = "onednn") -> tuple[Tensor, Tensor]:
         last = self.last  # read once: a server's threads may share the model
-        if last is not None and last[0]() is x and last[1] == x._version:
-            return last[2]
-        quantized = quantize_inputs(x.reshape(-1, x.size(-1)).float())
-        self.last = (weakref.ref(x), x._version, quantized)
-        return quantized
+        if last is None or last[0]() is not x or last[1] != x._version:
+            last = self.last = (weakref.ref(x), x._version, {})
+        prepared = last[2]
+        if kernel not in prepared:
+            prepared[kernel] = PREPARE[kernel](x.reshape(-1, x.size(-1)).float())
+        return prepared[kernel]
 
 
 def _product(q: Tensor, packed: Tensor, w_scale: Tensor, w_zero: Tensor) -> Tensor:
-    """(q - ZERO_POINT) W^T, scaled by the weights' channel scales: (rows, out) in fp32."""
+    """oneDNN: (q - ZERO_POINT) W^T, scaled by the weights' channel scales: (rows, out) in fp32."""
     return torch.ops.onednn.qlinear_pointwise(q, 1.0, ZERO_POINT, packed, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+
+
+def _fbgemm_product(x: Tensor, packed, input_scale: float = 1 / ROW_SCALE) -> Tensor:
+    """FBGEMM: x quantized as round(x / input_scale) + ZERO_POINT, times the packed int8 weights
+    with their channel scales, all scaled by input_scale: (rows, out) in fp32."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, input_scale, ZERO_POINT, packed)
+
+
+@contextlib.contextmanager
+def quantized_engine(name: str):
+    """torch's quantized engine set to `name` for the block (it picks the weights' packing)."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def fbgemm_prepack(weight: Tensor, w_scale: Tensor):
+    """int8 `weight` (out, in) with its channel scales (out,), packed for FBGEMM's product. Through
+    torch's quantized tensors, which torch has deprecated (its warning is silenced here): a torch
+    without them has no FBGEMM kernel (kernel_available), and int8 runs on oneDNN alone."""
+    zeros = torch.zeros(len(w_scale), dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
+        quantized = torch.quantize_per_channel(weight.float() * w_scale[:, None], w_scale.double(), zeros, 0, torch.qint8)  # fmt: skip
+    with quantized_engine("fbgemm"):
+        return torch.ops.quantized.linear_prepack(quantized, None)
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x quantized per row.
     weight_levels: the weights' largest int8 magnitude (127, or NARROW_WEIGHTS; see kernel_plan);
-    inputs: the model's SharedInputs (each layer its own when not given)."""
+    inputs: the model's SharedInputs (each layer its own when not given); kernel: whose product
+    (KERNELS). Both kernels compute the same integer products of the same quantized rows."""
 
-    def __init__(self, linear: nn.Linear, weight_levels: int = ROW_SCALE, inputs: SharedInputs | None = None):
+    def __init__(self, linear: nn.Linear, weight_levels: int = ROW_SCALE, inputs: SharedInputs | None = None, kernel: str = "onednn"):  # fmt: skip
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"int8 kernel {kernel!r} is not one of {tuple(KERNELS)}")
         self.in_features, self.out_features, self.weight_levels = linear.in_features, linear.out_features, weight_levels
+        self.kernel = kernel
         weight, w_scale = quantize_rows(linear.weight.detach().float(), weight_levels)
         self.register_buffer("w_scale", w_scale.flatten().contiguous())  # (out,)
-        self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32))
-        self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None))  # oneDNN's layout
+        if kernel == "onednn":
+            self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32))
+            self.register_buffer("packed", torch.ops.onednn.qlinear_prepack(weight, None))  # oneDNN's layout
+        else:
+            self.fbgemm_packed = fbgemm_prepack(weight, self.w_scale)  # FBGEMM's packed weights (not a tensor)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
         self.inputs = inputs or SharedInputs()
 
     def forward(self, x: Tensor) -> Tensor:
-        q, scale = self.inputs(x)
-        y = _product(q, self.packed, self.w_scale, self.w_zero)
+        prepared, scale = self.inputs(x, self.kernel)
+        if self.kernel == "onednn":
+            y = _product(prepared, self.packed, self.w_scale, self.w_zero)
+        else:
+            y = _fbgemm_product(prepared, self.fbgemm_packed)
         y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -125,28 +200,33 @@ class Int8Plan:
 
     weight_levels: int | None
     reason: str
-    timing: str = ""  # where the timing came from: "timed now" or "timed on DATE" (plan_cache_path)
+    timing: str = ""  # where the timings came from: "timed now" or "timed on DATE" (plan_cache_path)
+    kernel: str = "onednn"  # the faster exact int8 product (KERNELS)
 
 
-def exact_products(weight_levels: int) -> bool:
-    """Whether oneDNN's int8 product equals the exact integer product on the cases that saturate a
+def exact_products(weight_levels: int, kernel: str = "onednn") -> bool:
+    """Whether `kernel`'s int8 product equals the exact integer product on the cases that saturate a
     16-bit sum of two u8 x s8 products: all inputs and weights at their extremes, of both signs."""
     signs = torch.tensor([1, -1, 1, -1])[:, None] * torch.tensor([1, 1, -1, -1])[None, :]
     x = torch.cat([torch.full((4, 64), ROW_SCALE), torch.randint(-ROW_SCALE, ROW_SCALE + 1, (4, 64))])
     x[:4] *= signs[0][:, None]
     w = torch.cat([torch.full((4, 64), weight_levels), torch.randint(-weight_levels, weight_levels + 1, (12, 64))])
     w[:4] *= signs[:, 0][:, None]
-    packed = torch.ops.onednn.qlinear_prepack(w.to(torch.int8), None)
-    got = _product((x + ZERO_POINT).to(torch.uint8), packed, torch.ones(len(w)), torch.zeros(len(w), dtype=torch.int32))
+    ones = torch.ones(len(w))
+    if kernel == "onednn":
+        packed = torch.ops.onednn.qlinear_prepack(w.to(torch.int8), None)
+        got = _product((x + ZERO_POINT).to(torch.uint8), packed, ones, torch.zeros(len(w), dtype=torch.int32))
+    else:  # input scale 1: FBGEMM quantizes the integers to themselves
+        got = _fbgemm_product(x.float(), fbgemm_prepack(w.to(torch.int8), ones), input_scale=1.0)
     return torch.equal(got.double(), x.double() @ w.double().t())
 
 
-def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] = (512, 2048)) -> float:
-    """Time of an Int8Linear over that of the fp32 layer it replaces, for a (in, out) `shape`,
-    at the rows of a beam search step."""
+def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] = (512, 2048), kernel: str = "onednn") -> float:  # fmt: skip
+    """Time of an Int8Linear on `kernel` over that of the fp32 layer it replaces, for a (in, out)
+    `shape`, at the rows of a beam search step."""
     torch.manual_seed(0)
     layer = nn.Linear(*shape)
-    int8, packed = Int8Linear(layer, weight_levels), PackedWeight()
+    int8, packed = Int8Linear(layer, weight_levels, kernel=kernel), PackedWeight()
     x = torch.randn(256, shape[0])
 
     def int8_layer(x: Tensor) -> Tensor:
@@ -154,18 +234,18 @@ def int8_to_fp32_time(weight_levels: int, onednn: bool, shape: tuple[int, int] =
         return int8(x)
 
     with torch.no_grad():
-        return timings.seconds(int8_layer, x) / timings.seconds(
-            lambda x: linear(x, layer.weight, layer.bias, packed, onednn=onednn), x
-        )
+        return timings.time_ratio(int8_layer, lambda x: linear(x, layer.weight, layer.bias, packed, onednn=onednn), x)
 
 
 @functools.cache
-def exact_weight_levels() -> int | None:
-    """The widest weight range (127, else NARROW_WEIGHTS) whose int8 products are exact on this
-    CPU, checked once per process; None where neither is."""
+def exact_weight_levels(kernel: str = "onednn") -> int | None:
+    """The widest weight range (127, else NARROW_WEIGHTS) whose int8 products on `kernel` are exact
+    on this CPU, checked once per process; None where neither is, or this torch lacks the kernel."""
+    if not kernel_available(kernel):
+        return None
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return next((n for n in (ROW_SCALE, NARROW_WEIGHTS) if exact_products(n)), None)
+        return next((n for n in (ROW_SCALE, NARROW_WEIGHTS) if exact_products(n, kernel)), None)
 
 
 def plan_cache_path() -> Path:
@@ -173,44 +253,56 @@ def plan_cache_path() -> Path:
     return timings.timings_path("int8")
 
 
-def timing_key(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> str:
+def timing_key(weight_levels: int, onednn: bool, shape: tuple[int, int], kernel: str = "onednn") -> str:
     """What a timing depends on: the machine (timings.machine_key), the fp32 path it is compared
-    with, the weight range and the layer shape."""
+    with, the weight range, the layer shape and the int8 kernel."""
     fp32 = "onednn" if onednn else "blas"
-    return f"{timings.machine_key()} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]}"
+    return f"{timings.machine_key()} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]} | {kernel}"
 
 
-def kept_ratio(weight_levels: int, onednn: bool, shape: tuple[int, int]) -> tuple[float, str]:
+def kept_ratio(weight_levels: int, onednn: bool, shape: tuple[int, int], kernel: str = "onednn") -> tuple[float, str]:
     """int8_to_fp32_time for this machine, timed once and kept in plan_cache_path(); and where it
     came from."""
-    return timings.kept("int8", timing_key(weight_levels, onednn, shape), lambda: int8_to_fp32_time(weight_levels, onednn, shape))  # fmt: skip
+    key = timing_key(weight_levels, onednn, shape, kernel)
+    return timings.kept("int8", key, lambda: int8_to_fp32_time(weight_levels, onednn, shape, kernel))
 
 
 @functools.cache
 def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> Int8Plan:
-    """The weight range whose int8 products are exact here (checked once per process), and
-    whether an int8 layer of that (in, out) `shape` is at least as fast as the fp32 one
-    (`onednn`: runtime.onednn_linear's choice), timed once per machine (kept_ratio)."""
-    if not available():
-        return Int8Plan(None, "this torch has no oneDNN quantized linear product")
-    levels = exact_weight_levels()
-    if levels is None:
-        return Int8Plan(None, "oneDNN's int8 product is not exact on this CPU")
+    """For each int8 kernel (KERNELS), the weight range whose products are exact here (checked once
+    per process) and the time of an int8 layer of that (in, out) `shape` over the fp32 one's
+    (`onednn`: runtime.onednn_linear's choice), timed once per machine (kept_ratio); the fastest
+    kernel where it is at least as fast as fp32."""
+    timed, unusable = [], []
     with torch.random.fork_rng():
-        ratio, timing = kept_ratio(levels, onednn, shape)
-    return Int8Plan(levels if ratio <= 1.0 else None, f"{shape[0]}x{shape[1]} took {ratio:.2f}x fp32's time", timing)
+        for kernel, name in KERNELS.items():
+            levels = exact_weight_levels(kernel)
+            if not kernel_available(kernel):
+                unusable.append(f"this torch has no {name} int8 product")
+            elif levels is None:
+                unusable.append(f"{name}'s int8 product is not exact on this CPU")
+            else:
+                timed.append((*kept_ratio(levels, onednn, shape, kernel), kernel, levels))
+    if not timed:
+        return Int8Plan(None, "; ".join(unusable))
+    timed.sort(key=lambda t: (t[0], list(KERNELS).index(t[2])))  # the faster; oneDNN on a tie
+    ratio, _, kernel, levels = timed[0]
+    ratios = ", ".join(f"{KERNELS[k]} {r:.2f}x" for r, _, k, _ in timed)
+    timing = ", ".join(sorted({t[1] for t in timed}))
+    reason = f"{shape[0]}x{shape[1]} took {ratios} fp32's time" + (f" ({'; '.join(unusable)})" if unusable else "")
+    return Int8Plan(levels if ratio <= 1.0 else None, reason, timing, kernel)
 
 
 def describe(plans: dict[tuple[int, int], Int8Plan]) -> str:
     """One log line on what quantize_int8 chose for each layer shape, and why."""
-    used = [plan.reason for plan in plans.values() if plan.weight_levels is not None]
+    used = [f"{plan.reason}: {KERNELS[plan.kernel]}" for plan in plans.values() if plan.weight_levels is not None]
     kept = [plan.reason for plan in plans.values() if plan.weight_levels is None]
-    timings = sorted({plan.timing for plan in plans.values() if plan.timing})
+    timings = sorted({t for plan in plans.values() if plan.timing for t in plan.timing.split(", ")})
     source = f" ({', '.join(timings)}; kept in {plan_cache_path()}, delete it to time again)" if timings else ""
     if not used:
         return f"decoding stays in fp32: {'; '.join(dict.fromkeys(kept))}{source}"
-    line = f"layers in int8 on oneDNN where faster ({', '.join(used)})"
-    line += f"; kept in fp32 where not ({', '.join(kept)})" if kept else ""
+    line = f"layers in int8 on the faster kernel where int8 is faster ({'; '.join(used)})"
+    line += f"; kept in fp32 where not ({'; '.join(kept)})" if kept else ""
     if any(plan.weight_levels == NARROW_WEIGHTS for plan in plans.values()):
         line += f"; weights in [-{NARROW_WEIGHTS}, {NARROW_WEIGHTS}]: this CPU's int8 product saturates full-range ones"
     return line + source
@@ -232,7 +324,7 @@ class Int8TiedOutput:
         weight, bias = self.vocabulary_rows(ids)  # the tied embedding's rows: output_weight
         rows = nn.Linear(self.cfg.d_model, len(ids), bias=False)
         rows.weight = nn.Parameter(weight, requires_grad=False)
-        layer = Int8Linear(rows, self.int8_output.weight_levels)
+        layer = Int8Linear(rows, self.int8_output.weight_levels, kernel=self.int8_output.kernel)
         return layer if bias is None else (lambda x: layer(x) + bias)
 
 
@@ -259,7 +351,7 @@ def quantize_int8(model: nn.Module, onednn: bool = True, keep: tuple[str, ...] =
     which and why. The layers under the submodules named in `keep` (e.g. "decoder_layers") stay
     fp32 whatever their plan; `why` is said for them in the log. Returns `model`."""
     if not available():
-        raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's quantized linear (torch.ops.onednn)")
+        raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's or FBGEMM's quantized linear")
     kept = tuple(f"{name}." for name in keep)
     layers = [
         (parent, name, child)
@@ -276,7 +368,7 @@ def quantize_int8(model: nn.Module, onednn: bool = True, keep: tuple[str, ...] =
     for parent, name, child in layers:
         plan = plans[child.in_features, child.out_features]
         if plan.weight_levels is not None:
-            setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs))
+            setattr(parent, name, Int8Linear(child, plan.weight_levels, inputs, plan.kernel))
             if child is tied:
                 model.__class__ = with_int8_output(type(model))
     if plans:

@@ -66,6 +66,17 @@ def seconds(fn: Callable, x, repeats: int = 5) -> float:
     return best
 
 
+def time_ratio(fn: Callable, baseline: Callable, x, rounds: int = 4, repeats: int = 5) -> float:
+    """The fastest call of fn(x) over the fastest of baseline(x), taken in alternating rounds of
+    `repeats` calls each, so a slow moment (a frequency change, another process) falls on both."""
+    fn(x), baseline(x)
+    best_fn = best_baseline = float("inf")
+    for _ in range(rounds):
+        best_fn = min(best_fn, seconds(fn, x, repeats))
+        best_baseline = min(best_baseline, seconds(baseline, x, repeats))
+    return best_fn / best_baseline
+
+
 def entries(path: Path) -> dict:
     try:
         found = json.loads(path.read_text())
