@@ -2,9 +2,9 @@
 output channel once, its input quantized per row (per token) at each product, and the product
 computed in int8 by one of two kernels in torch, whichever is faster for the layer's shape on this
 CPU: oneDNN's (`torch.ops.onednn.qlinear_pointwise`) or FBGEMM's
-(`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`). On CPUs without VNNI,
-FBGEMM's was 0.5-1.0x fp32's time at every decoding shape measured, where oneDNN's was 0.8-1.45x;
-with VNNI, oneDNN's is faster at the largest shapes.
+(`torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32`). Under AVX2, FBGEMM's was
+the faster at 7 of 8 decoding shapes measured (within 5% at the eighth); with VNNI, oneDNN's is at
+the largest shapes (docs/lab/2026-12-06-fbgemm-int8.md).
 
 Why per row: torch's dynamic quantization (`quantize_dynamic`) quantizes a layer's whole input
 with one scale per call, on 7 bits (reduce_range, for FBGEMM's kernels): the scale of a decoding
@@ -28,9 +28,10 @@ large weights and inputs: the product is silently wrong. The check multiplies th
 each kernel and compares with the exact integer result: where full-range weights are wrong, the
 weights are quantized to [-63, 63], which cannot saturate; where those are wrong too, that kernel
 is not used. Then each layer shape is timed on each exact kernel: the faster one is used, and a
-shape whose int8 layers are all slower than its fp32 one stays fp32. A timing is taken once per machine and kept on disk (`plan_cache_path`, keyed by the CPU,
-its instruction-set limits, torch and the shape), so a busy moment cannot change the choice from
-one run to the next. The log says what was chosen, why, and where the timings are kept.
+shape whose int8 layers are all slower than its fp32 one stays fp32. A timing is taken once per
+machine and kept on disk (`plan_cache_path`, keyed by the CPU, its instruction-set limits, torch,
+the shape and the kernel), so a busy moment cannot change the choice from one run to the next.
+The log says what was chosen, why, and where the timings are kept.
 
 The output projection is int8 too, also where it is tied to the embeddings (an int8 copy; the
 lookup stays fp32): it is the largest product of a decoding step. Norms, softmax and the
