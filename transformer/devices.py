@@ -52,7 +52,8 @@ ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRU
 
 # The variables that keep oneDNN, ATen's own kernels, MKL, FBGEMM (torch's other int8 product; it
 # reads none of the others) and CTranslate2 to lower instruction sets, as on other CPUs: read when
-# each library starts, so set before torch is imported. A limit above what the CPU has changes nothing. Used by the benchmarks' isa= option (benchmarks/) and by tests/isa_matrix.py.
+# each library starts, so set before torch is imported. A limit above what the CPU has changes
+# nothing. Used by the benchmarks' isa= option (benchmarks/) and by tests/isa_matrix.py.
 ISA_LIMITS = {
     "avx2": {  # AVX2 only: an AMD Zen 3, most laptops
         "ONEDNN_MAX_CPU_ISA": "AVX2",

@@ -81,10 +81,15 @@ def available() -> bool:
     return any(kernel_available(kernel) for kernel in KERNELS)
 
 
+def row_magnitudes(x: Tensor) -> Tensor:
+    """Each row's largest magnitude, (rows, 1), at least the dtype's smallest normal number."""
+    return x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+
+
 def quantize_rows(x: Tensor, levels: int = ROW_SCALE) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row: x (rows, features) -> int8 values in [-levels, levels] and (rows, 1)
     scales, x ~ q * scale."""
-    largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    largest = row_magnitudes(x)
     return (x * (levels / largest)).round_().to(torch.int8), largest / levels
 
 
@@ -98,7 +103,7 @@ def quantize_inputs(x: Tensor) -> tuple[Tensor, Tensor]:
 def normalize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """FBGEMM's input: each row divided by its largest magnitude, and those (rows, 1) magnitudes.
     FBGEMM quantizes it with the scale 1 / ROW_SCALE, as quantize_inputs does."""
-    largest = x.abs().amax(-1, keepdim=True).clamp_(min=torch.finfo(x.dtype).tiny)
+    largest = row_magnitudes(x)
     return x / largest, largest
 
 
@@ -277,7 +282,7 @@ def kernel_plan(onednn: bool = True, shape: tuple[int, int] = (512, 2048)) -> In
     timed, unusable = [], []
     with torch.random.fork_rng():
         for kernel, name in KERNELS.items():
-            levels = exact_weight_levels(kernel)
+            levels = exact_weight_levels(kernel)  # None also where this torch lacks the kernel
             if not kernel_available(kernel):
                 unusable.append(f"this torch has no {name} int8 product")
             elif levels is None:

@@ -68,8 +68,8 @@ def seconds(fn: Callable, x, repeats: int = 5) -> float:
 
 def time_ratio(fn: Callable, baseline: Callable, x, rounds: int = 4, repeats: int = 5) -> float:
     """The fastest call of fn(x) over the fastest of baseline(x), taken in alternating rounds of
-    `repeats` calls each, so a slow moment (a frequency change, another process) falls on both."""
-    fn(x), baseline(x)
+    `repeats` calls each, so a slow moment (a frequency change, another process) falls on both.
+    Each round warms up with one call (seconds)."""
     best_fn = best_baseline = float("inf")
     for _ in range(rounds):
         best_fn = min(best_fn, seconds(fn, x, repeats))
