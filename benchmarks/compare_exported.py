@@ -12,8 +12,8 @@ grouped by length), the longest of our per-sentence length limits for all; with
 reference=true also ours under runtime=reference (the model as written, which ours fp32 must
 equal), with compiled=true (the default) "ours fp32 compiled", ours fp32 with
 runtime.compiled_step=true (transformer/fast/compiled.py; compiled untimed if none is kept; the
-others run with runtime.compiled_step=false) and "ours int8 compiled" (its decoder layers fp32
-in the same program, its encoder and output layer int8), and "ours fp32 paged", the continuous-batching
+others run with runtime.compiled_step=false) and "ours int8 compiled" (the program calling its
+int8 decoder layers), and "ours fp32 paged", the continuous-batching
 engine of serve.py (every sentence joining at the first step, on the paged cache). isa=avx2 limits every library to AVX2. Beam
 search runs at each of length_penalties, passed to both as their length_penalty: our GNMT
 penalty ((5 + length) / 6) ** alpha and CTranslate2's length ** alpha rank alike only at 0, so

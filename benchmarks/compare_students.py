@@ -13,7 +13,7 @@ benchmarks/compare_exported.py runs it). Whole process: `translate.py` from star
 same lines, teacher fp32 and the student fp32 and int8 with the shortlist, medians of `rounds` in
 turns. With compiled=true (the default) the teacher and the student fp32 also run with their
 compiled decoding steps (runtime.compiled_step=true; the other rows with false), and the student
-in int8 with its shortlist (decoder layers fp32 in the program, encoder and output layer int8). isa=avx2 limits
+in int8 with its shortlist (the program calling its int8 decoder layers). isa=avx2 limits
 every library to AVX2. Ratios are against the teacher's rows measured in the same run (a compiled
 row's against the teacher's compiled row). Prints a table; output= writes JSON. Needs ctranslate2.
 """

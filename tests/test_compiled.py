@@ -1,7 +1,8 @@
 """The compiled decoding step (transformer/fast/compiled.py) against the eager step it replaces:
 the same decoder outputs step by step, the same translations in greedy and beam search (beams
-reordered and sentences dropped between compiled steps), a kept program found by a new model and
-by its int8 twin (fp32 decoder layers), and without a C++ compiler the eager step, said in the log."""
+reordered and sentences dropped between compiled steps), a kept program found by a new model, int8
+layers called by the program on each kernel, and without a C++ compiler the eager step, said in
+the log."""
 
 import logging
 import shutil
@@ -88,17 +89,36 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
         assert search(fast_model(None, **variant), src)[0] == greedy_eager
     assert "steps after the first run" in caplog.text and 15 in rows
 
-    # int8 with the compiled step: the decoder layers stay fp32 and take the same programs; the
-    # translations are those of the same quantized model decoding eagerly.
-    monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: int8.Int8Plan(int8.exact_weight_levels(), "test"))
-    rows.clear()
-    quantized = fast_model(True, int8=True, **variant)
-    twin = int8.quantize_int8(fast_model(False, **variant), onednn=False, keep=("decoder_layers",))
-    assert not any(isinstance(m, int8.Int8Linear) for m in quantized.decoder_layers.modules())
-    assert any(isinstance(m, int8.Int8Linear) for m in quantized.encoder_layers.modules())
-    (greedy_int8, beams_int8), (greedy_twin, beams_twin) = search(quantized, src), search(twin, src)
-    assert 5 in rows and 15 in rows and greedy_int8 == greedy_twin
-    assert [[h.tokens for h in b] for b in beams_int8] == [[h.tokens for h in b] for b in beams_twin]
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+@pytest.mark.parametrize("kernel", [k for k in int8.KERNELS if int8.kernel_available(k)])
+def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, tmp_path, monkeypatch):
+    """int8 with the compiled step: the program calls the decoder's int8 layers on their kernel
+    (int8.Int8Call) and equals the same quantized model decoding eagerly, step by step and in
+    greedy and beam search."""
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    plan = int8.Int8Plan(int8.exact_weight_levels(kernel), "test", kernel=kernel)
+    monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: plan)
+    src = random_tokens(5, 9)
+    src[3:, 6:] = PAD
+    tgt = random_tokens(5, 7)
+    eager, model = fast_model(False, int8=True, **TEACHER_LIKE), fast_model(True, int8=True, **TEACHER_LIKE)
+    layers = int8.int8_layers(model.decoder_layers)
+    assert layers and all(layer.kernel == kernel for layer in layers.values())
+    with torch.no_grad():
+        mask = padding_mask(src, PAD)
+        memory = eager.encode(src, mask)[0]
+        states = eager.new_state(), model.new_state()
+        for i in range(tgt.size(1)):
+            want = eager.decode(tgt[:, i : i + 1], memory, mask, states[0], project=False)[0]
+            got = model.decode(tgt[:, i : i + 1], memory, mask, states[1], project=False)[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert model.compiled_step.programs[1] is not None
+    rows = count_compiled(monkeypatch)
+    (greedy_eager, beams_eager), (greedy_compiled, beams_compiled) = search(eager, src), search(model, src)
+    assert 5 in rows and 15 in rows and greedy_compiled == greedy_eager
+    assert [[h.tokens for h in b] for b in beams_compiled] == [[h.tokens for h in b] for b in beams_eager]
 
 
 def test_without_a_compiler_the_eager_step_runs_and_says_why(tmp_path, monkeypatch, caplog):

@@ -118,8 +118,7 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = F
     """Install the speed paths `runtime` asks for on `transformer` (a Transformer, in place; the
     same parameters and state dict) and return it; runtime.fast=false installs none. int8=True
     (runtime.precision=int8, for decoding on a CPU) then quantizes its linear layers (fast/int8.py),
-    under either runtime; with runtime.compiled_step=true its decoder layers stay fp32 for the
-    compiled step, which takes no int8 layer (the encoder and the output projection go int8).
+    under either runtime; a compiled decoding step calls the decoder's int8 layers (fast/compiled.py).
     Logs, once per process for each distinct line, what was installed and why."""
     runtime = runtime or RuntimeConfig()
     if not runtime.fast:
@@ -129,10 +128,8 @@ def accelerate(transformer, runtime: RuntimeConfig | None = None, int8: bool = F
         line = ", ".join(f"{name} x{count}" for name, count in installed.items())
         line += f"; kept the variants' own {', '.join(kept)}" if kept else ""
         log_once(f"{runtime.describe()} | installed {line}")
-    if int8:  # the compiled step's program takes fp32 decoder layers alone
-        keep = ("decoder_layers",) if runtime.fast and runtime.compiled_step else ()
-        why = "runtime.compiled_step=true runs them in the compiled decoding step (fast/compiled.py)"
-        quantize_int8(transformer, runtime.fast and runtime.onednn_inference, keep=keep, why=why)
+    if int8:
+        quantize_int8(transformer, runtime.fast and runtime.onednn_inference)
     return transformer
 
 

@@ -16,7 +16,13 @@ the buffers the fast runtime's FastKeyValueCache already keeps (fast/cache.py: G
 slots past it masked. So the compiled program reads and writes the same caches as the eager
 step: the first step (which stores the encoder's keys and values) and any step the program does
 not take run eagerly on the same state. The program returns the decoder's normalized output; the
-output layer (packed, shortlisted) stays the fast model's own.
+output layer (packed, int8, shortlisted) stays the fast model's own.
+
+int8 decoder layers (runtime.precision=int8) are traced as int8.Int8Call: the input's preparation
+and the output's scaling are in the program, and the product is the operator
+transformer::int8_product, which runs the layer of that name of the model whose step is running
+(FBGEMM's packed weights are no tensor a program could hold). So a kept program serves any model
+with the same fp32 weights and int8 layers, kernels included.
 
 Two programs per model and CPU: one for one row per sentence (greedy search, sampling) and one
 for several (beam search), each for any number of sentences, source length and cache capacity.
@@ -49,7 +55,7 @@ from ..model.attention import MultiHeadAttention
 from ..model.cache import KeyValueCache
 from .attention import FastMultiHeadAttention
 from .cache import FastKeyValueCache
-from .int8 import Int8Linear
+from .int8 import Int8Call, int8_layers, products_of
 from .timings import cache_dir, machine_key
 
 log = logging.getLogger(__name__)
@@ -118,15 +124,26 @@ class Step(nn.Module):
 
 
 def step_weights(model: Transformer) -> dict[str, Tensor]:
-    """The parameters and buffers a decoding step reads: the model's state without the encoder's
-    (and without an int8 output layer's, which runs eagerly after the step)."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(("encoder_layers.", "src_embed.", "int8_output."))}  # fmt: skip
+    """The parameters and buffers a program holds: the model's state without the encoder's,
+    without an int8 output layer's (it runs eagerly after the step), and of the decoder's int8
+    layers their bias alone (the program calls them for their products: int8.Int8Call)."""
+    called = tuple(f"{name}." for name in int8_layers(model.decoder_layers, "decoder_layers"))
+    return {
+        k: v
+        for k, v in model.state_dict().items()
+        if not k.startswith(("encoder_layers.", "src_embed.", "int8_output."))
+        and (not k.startswith(called) or k.endswith(".bias"))
+    }
 
 
 def traced_model(model: Transformer, decoder_layer: type) -> Transformer:
     """A reference Transformer with `model`'s decoding weights whose decoder layers are of the fast
-    class `decoder_layer` (FastDecoderLayer: beams folded); without an encoder, which a step does not run."""
+    class `decoder_layer` (FastDecoderLayer: beams folded), and whose layers that are int8 in
+    `model` call them by name (int8.Int8Call); without an encoder, which a step does not run."""
     reference = Transformer(model.cfg)
+    for name, layer in int8_layers(model.decoder_layers, "decoder_layers").items():
+        parent, child = name.rsplit(".", 1)
+        setattr(reference.get_submodule(parent), child, Int8Call(layer, name))
     missing, unexpected = reference.load_state_dict(step_weights(model), strict=False)
     if unexpected or any(not k.startswith(("encoder_layers.", "src_embed.")) for k in missing):
         raise ValueError(f"the decoding step's weights do not match the model's: {missing + unexpected}")
@@ -200,8 +217,6 @@ def compiler() -> str | None:
 
 def unsupported(model: Transformer, decoder_layer: type) -> str | None:
     """Why the fast `model` has no compiled step (a reason for the log), or None."""
-    if any(isinstance(m, Int8Linear) for m in model.decoder_layers.modules()):
-        return "int8 layers in the decoder (runtime.precision=int8) decode eagerly"
     variants = {type(m).__name__ for m in model.modules() if isinstance(m, MultiHeadAttention) and type(m) is not FastMultiHeadAttention}  # fmt: skip
     if variants:
         return f"attention variants ({', '.join(sorted(variants))}) keep state of their own"
@@ -216,15 +231,20 @@ def code_digest() -> str:
     program kept by an earlier version of them is not used."""
     here = Path(__file__).parent
     digest = hashlib.blake2b(digest_size=16)
-    for path in sorted([*(here.parent / "model").glob("*.py"), here / "model.py", here / "cache.py", Path(__file__)]):
+    for path in sorted(
+        [*(here.parent / "model").glob("*.py"), here / "model.py", here / "cache.py", here / "int8.py", Path(__file__)]
+    ):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
 def weights_digest(model: Transformer) -> str:
-    """A digest of the model's configuration and of each weight a step reads: its name, shape,
-    dtype and the CRC-32 of its bytes (read in place: 10 ms for 30 MB, a third of a hash's time)."""
+    """A digest of the model's configuration, of its decoder's int8 layers and their kernels (the
+    program prepares their inputs), and of each weight a step reads: its name, shape, dtype and
+    the CRC-32 of its bytes (read in place: 10 ms for 30 MB, a third of a hash's time)."""
     digest = hashlib.blake2b(repr(model.cfg).encode(), digest_size=16)
+    for name, layer in int8_layers(model.decoder_layers, "decoder_layers").items():
+        digest.update(f"int8 {name} {layer.kernel}".encode())
     for name, t in step_weights(model).items():
         data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         digest.update(f"{name} {tuple(t.shape)} {t.dtype} {zlib.crc32(data)}".encode())
@@ -240,6 +260,11 @@ class CompiledStep:
         self.setting, self.decoder_layer = setting, decoder_layer
         self.programs: dict[int, object] = {}  # width class (1, or 2 for several rows per sentence) -> program
         self.digest: str | None = None
+        self.int8: dict = {}  # the model's int8 layers by name, which its programs call (int8.products_of)
+
+    def __deepcopy__(self, memo) -> CompiledStep:
+        """A copy of the model (to quantize it, say) finds programs of its own."""
+        return CompiledStep(self.setting, self.decoder_layer)
 
     def take(self, model: Transformer, tgt: Tensor, state, need_weights: bool) -> bool:
         """Whether the step decoding `tgt` into `state` runs compiled: one new token per row, at
@@ -264,6 +289,7 @@ class CompiledStep:
     def program(self, model: Transformer, width: int):
         if width not in self.programs:
             self.programs[width] = self.find(model, width)
+            self.int8 = int8_layers(model.decoder_layers, "decoder_layers")
         return self.programs[width]
 
     def find(self, model: Transformer, width: int):
@@ -316,7 +342,8 @@ class CompiledStep:
         tokens = tgt.reshape(sentences, width).contiguous()  # the program reads its inputs as contiguous
         inputs = [tokens, torch.tensor([position]), src_mask.contiguous(), *buffers[0::2], *buffers[1::2]]
         inputs += [layer.cross.k for layer in layers] + [layer.cross.v for layer in layers]
-        (hidden,) = self.program(model, 1 if width == 1 else 2)(inputs)
+        with products_of(self.int8):
+            (hidden,) = self.program(model, 1 if width == 1 else 2)(inputs)
         for layer in layers:
             for cache in (layer.self.keys, layer.self.values):
                 cache.length += 1

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -164,6 +165,13 @@ def fbgemm_prepack(weight: Tensor, w_scale: Tensor):
         return torch.ops.quantized.linear_prepack(quantized, None)
 
 
+def scaled_back(y: Tensor, scale: Tensor, bias: Tensor | None, shape: torch.Size) -> Tensor:
+    """A product's (rows, out) output times its rows' (rows, 1) scales, plus the bias, in the
+    input's `shape` with the last dimension out."""
+    y = y * scale if bias is None else torch.addcmul(bias, y, scale)
+    return y.view(*shape[:-1], y.size(-1))
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W in int8 (one scale per output channel) and x quantized per row.
     weight_levels: the weights' largest int8 magnitude (127, or NARROW_WEIGHTS; see kernel_plan);
@@ -188,15 +196,78 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         prepared, scale = self.inputs(x, self.kernel)
+        return scaled_back(self.product(prepared), scale, self.bias, x.shape)
+
+    def product(self, prepared: Tensor) -> Tensor:
+        """The kernel's product of inputs prepared for it (PREPARE) with the weights, in their
+        channel scales: (rows, out) in fp32, to be multiplied by the rows' scales."""
         if self.kernel == "onednn":
-            y = _product(prepared, self.packed, self.w_scale, self.w_zero)
-        else:
-            y = _fbgemm_product(prepared, self.fbgemm_packed)
-        y = y * scale if self.bias is None else torch.addcmul(self.bias, y, scale)
-        return y.view(*x.shape[:-1], self.out_features)
+            return _product(prepared, self.packed, self.w_scale, self.w_zero)
+        return _fbgemm_product(prepared, self.fbgemm_packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"  # fmt: skip
+
+
+# --- The int8 product inside a compiled decoding step (fast/compiled.py) ---------------------------
+#
+# A compiled program cannot hold FBGEMM's packed weights (not a tensor), and a program kept on disk
+# is shared by every model with the same weights. So a traced int8 layer (Int8Call) prepares its
+# input and scales the product back inside the program, and calls the product itself as the
+# operator transformer::int8_product, by the layer's name: at run time the operator runs that
+# layer of the model whose step is running (`products_of`, per thread: a server's threads may
+# decode with different models).
+
+_LIBRARY = torch.library.Library("transformer", "DEF")  # kept: the operator lives as long as it
+_LIBRARY.define("int8_product(Tensor prepared, str layer, int out_features) -> Tensor")
+_running = threading.local()
+
+
+def _int8_product(prepared: Tensor, layer: str, out_features: int) -> Tensor:
+    layers = getattr(_running, "layers", None)
+    if layers is None or layer not in layers:
+        raise RuntimeError(f"transformer::int8_product called for {layer!r} outside the step of a model that has it")
+    return layers[layer].product(prepared)
+
+
+def _int8_product_shape(prepared: Tensor, layer: str, out_features: int) -> Tensor:
+    return prepared.new_empty((*prepared.shape[:-1], out_features), dtype=torch.float32)
+
+
+_LIBRARY.impl("int8_product", _int8_product, "CPU")
+_LIBRARY.impl("int8_product", _int8_product_shape, "Meta")  # shapes, for tracing
+
+
+def int8_layers(module: nn.Module, prefix: str = "") -> dict[str, Int8Linear]:
+    """The Int8Linear layers under `module`, by name (`prefix`: the module's own name)."""
+    return {name: m for name, m in module.named_modules(prefix=prefix) if isinstance(m, Int8Linear)}
+
+
+@contextlib.contextmanager
+def products_of(layers: dict[str, Int8Linear]):
+    """transformer::int8_product runs `layers` (int8_layers of a model) in this thread for the block."""
+    before = getattr(_running, "layers", None)
+    _running.layers = layers
+    try:
+        yield
+    finally:
+        _running.layers = before
+
+
+class Int8Call(nn.Module):
+    """The Int8Linear `layer`, named `name` in its model, as a traced program computes it: its input
+    prepared for its kernel (PREPARE) and its output scaled back and biased in the program, the
+    product between them by transformer::int8_product."""
+
+    def __init__(self, layer: Int8Linear, name: str):
+        super().__init__()
+        self.name, self.kernel, self.out_features = name, layer.kernel, layer.out_features
+        self.register_buffer("bias", layer.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        prepared, scale = PREPARE[self.kernel](x.reshape(-1, x.size(-1)))
+        y = torch.ops.transformer.int8_product(prepared, self.name, self.out_features)
+        return scaled_back(y, scale, self.bias, x.shape)
 
 
 @dataclass(frozen=True)
@@ -349,20 +420,17 @@ def tied_projection(model: nn.Module) -> nn.Linear | None:
     return projection
 
 
-def quantize_int8(model: nn.Module, onednn: bool = True, keep: tuple[str, ...] = (), why: str = "") -> nn.Module:
+def quantize_int8(model: nn.Module, onednn: bool = True) -> nn.Module:
     """Replace, in place, every nn.Linear of `model` (fast/linear.py's `FastLinear` included) by an
     Int8Linear (torch's convention for quantized modules), and make a Transformer with a tied
     output projection an Int8TiedOutput (the embedding lookup stays fp32): each layer whose shape
     kernel_plan finds exact and faster in int8 on this CPU; the others stay fp32, and the log says
-    which and why. The layers under the submodules named in `keep` (e.g. "decoder_layers") stay
-    fp32 whatever their plan; `why` is said for them in the log. Returns `model`."""
+    which and why. Returns `model`."""
     if not available():
         raise RuntimeError("runtime.precision=int8 needs torch with oneDNN's or FBGEMM's quantized linear")
-    kept = tuple(f"{name}." for name in keep)
     layers = [
         (parent, name, child)
-        for path, parent in model.named_modules()
-        if not f"{path}.".startswith(kept)
+        for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) in (nn.Linear, FastLinear)
     ]
@@ -379,6 +447,5 @@ def quantize_int8(model: nn.Module, onednn: bool = True, keep: tuple[str, ...] =
                 model.__class__ = with_int8_output(type(model))
     if plans:
         fp32 = all(plan.weight_levels is None for plan in plans.values())
-        line = describe(plans) + (f"; {', '.join(keep)} kept in fp32: {why}" if keep else "")
-        log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", line)
+        log.log(logging.WARNING if fp32 else logging.INFO, "runtime.precision=int8: %s", describe(plans))
     return model
