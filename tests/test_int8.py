@@ -2,6 +2,7 @@
 faster in int8 becomes an Int8Linear (fast/int8.py), whose rows do not depend on each other, and a
 briefly trained model predicts nearly as in fp32 through the real loading path."""
 
+import concurrent.futures
 import copy
 import dataclasses
 import os
@@ -17,10 +18,12 @@ from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast.int8 import (
     KERNELS,
+    Int8Call,
     Int8Linear,
     describe,
     exact_weight_levels,
     kernel_plan,
+    products_of,
     quantize_int8,
     quantize_rows,
 )
@@ -167,6 +170,25 @@ def test_int8_rows_are_independent_and_close_to_fp32(kernel):
         batched = layer(torch.cat([x[:1], 100 * x[1:]]))[:1]
     assert torch.equal(alone, batched)
     assert (alone - expected).norm() <= 0.05 * expected.norm()
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_a_traced_int8_layer_calls_the_layer_of_the_running_model_by_name(kernel):
+    """Int8Call, the form a compiled step traces, equals its Int8Linear where that layer is the
+    running model's (products_of, in this thread), and names the layer where none is."""
+    levels = exact_weight_levels(kernel)
+    if levels is None:
+        pytest.skip(f"int8 on {kernel} is not used here: no exact int8 product of it on this CPU")
+    torch.manual_seed(0)
+    layer = Int8Linear(nn.Linear(64, 48), levels, kernel=kernel)
+    call, x = Int8Call(layer, "decoder_layers.0.w_q"), torch.randn(2, 3, 64)
+    with torch.no_grad(), products_of({"decoder_layers.0.w_q": layer}):
+        assert torch.equal(call(x), layer(x))
+        other = concurrent.futures.ThreadPoolExecutor(1).submit(call, x)
+        with pytest.raises(RuntimeError, match="'decoder_layers.0.w_q' outside the step of a model"):
+            other.result()  # another thread runs no model's step
+    with pytest.raises(RuntimeError, match="'decoder_layers.0.w_q' outside the step of a model"):
+        call(x)
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
