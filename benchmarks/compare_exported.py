@@ -21,7 +21,13 @@ the shares at the recipe's 0.6 say how far they part. Each decoder runs `rounds`
 taking turns; the seconds are medians of the decoding alone (no loading), and sentences/s is
 sentences / seconds; decoders=[NAME, ...] runs only those rows (and ours fp32). With
 shortlist=true, each of ours and CTranslate2's also runs with the run's lexical shortlist
-(decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt).
+(decode.shortlist=true; use_vmap=True on the same list, exported as vmap.txt). With
+whole_process=true it also times whole processes from start to exit on the same lines, written
+to a file and translated into one, medians of `rounds` in turns: `translate.py` in fp32 and in
+int8 with the compiled step (its program kept by the rows above), and a CTranslate2 user's process
+on the export (float32 and int8): ctranslate2 and sentencepiece imported (no torch), the lines
+cut into pieces, one translate_batch call as above, the pieces decoded and written. Their
+"speed vs ours fp32" is against translate.py fp32.
 Prints a table and writes JSON to output= if given.
 Needs ctranslate2.
 """
@@ -31,8 +37,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -49,7 +57,14 @@ from transformer.devices import limit_isa
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
-from transformer.interop.export import export, length_limits, require_ctranslate2, search_options
+from transformer.interop.export import (
+    SOURCE_MODEL,
+    TARGET_MODEL,
+    export,
+    length_limits,
+    require_ctranslate2,
+    search_options,
+)
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 
@@ -70,6 +85,7 @@ class CompareConfig:
     shortlist: bool = False  # also each decoder with the run's shortlist (scripts/build_shortlist.py)
     compiled: bool = True  # also ours fp32 and int8 with the compiled decoding step (runtime.compiled_step=true)
     decoders: Optional[list[str]] = None  # only these rows, by name (ours fp32 always: the shares are against it)
+    whole_process: bool = False  # also translate.py and a CTranslate2 user's process, from start to exit
     output: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -189,6 +205,63 @@ def compare(runs: dict, sources, refs, tokenizer, dc: DecodeConfig, rounds: int)
     return rows
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# A CTranslate2 user's whole process on the export: ctranslate2 and sentencepiece (no torch), the
+# input lines as pieces, one translate_batch, the best hypotheses decoded into the output file.
+CT2_PROCESS = """
+import json, sys, ctranslate2, sentencepiece as spm
+directory, compute_type, threads, source_model, target_model, source, output, options = sys.argv[1:]
+src, tgt = spm.SentencePieceProcessor(model_file=source_model), spm.SentencePieceProcessor(model_file=target_model)
+with open(source, encoding="utf-8") as f:
+    pieces = src.encode(f.read().splitlines(), out_type=str)
+translator = ctranslate2.Translator(directory, device="cpu", compute_type=compute_type, intra_threads=int(threads))
+results = translator.translate_batch(pieces, **json.loads(options))
+with open(output, "w", encoding="utf-8") as f:
+    f.write("".join(tgt.decode(r.hypotheses[0]) + "\\n" for r in results))
+"""
+
+
+def whole_processes(cfg: CompareConfig, texts, refs, sources, tokenizer, dc: DecodeConfig, directory: Path, max_positions: int) -> list[dict]:  # fmt: skip
+    """translate.py (fp32; int8 with the compiled step) and CT2_PROCESS (float32, int8) from start
+    to exit on `texts` (`sources` as token ids), medians of cfg.rounds in turns: a row each, as
+    compare's; CTranslate2 is given our longest length limit, as ChildCTranslate2 is."""
+    source, output = directory / "input.txt", directory / "output.txt"
+    source.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    search = ["decode=greedy"] if dc.strategy == "greedy" else ["decode=beam", f"decode.beam_size={dc.beam_size}", f"decode.length_penalty={dc.length_penalty}"]  # fmt: skip
+    ours = [sys.executable, str(ROOT / "translate.py"), f"checkpoint={cfg.checkpoint}", *search, f"input={source}", f"output={output}"]  # fmt: skip
+    options = search_options(dc, tokenizer.id_to_piece(tokenizer.pad_id))
+    limit = max(length_limits(sources, dc, max_positions))
+    options |= dict(max_decoding_length=limit - 1, max_batch_size=cfg.ct2_batch, batch_type="examples")
+    models = [directory / "ct2" / (TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL), directory / "ct2" / TARGET_MODEL]  # fmt: skip
+    threads = str(cfg.threads or torch.get_num_threads())
+
+    def theirs(compute_type: str) -> list[str]:
+        return [sys.executable, "-c", CT2_PROCESS, str(directory / "ct2"), compute_type, threads, *map(str, models), str(source), str(output), json.dumps(options)]  # fmt: skip
+
+    commands = {
+        "process: translate.py fp32": [*ours, "runtime.compiled_step=false"],
+        "process: translate.py int8 compiled": [*ours, "runtime.compiled_step=true", "runtime.precision=int8"],
+        "process: ctranslate2 float32": theirs("float32"),
+        "process: ctranslate2 int8": theirs("int8"),
+    }
+    seconds, outputs, rows = {name: [] for name in commands}, {}, []
+    for _ in range(cfg.rounds):
+        for name, argv in commands.items():
+            started = time.perf_counter()
+            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+            seconds[name].append(time.perf_counter() - started)
+            if done.returncode != 0:
+                raise RuntimeError(f"{name} failed: {done.stderr.strip()[-2000:]}")
+            outputs[name] = output.read_text(encoding="utf-8").splitlines()
+    lp = dc.length_penalty if dc.strategy == "beam" else 0.0
+    for name in commands:
+        same = sum(a == b for a, b in zip(outputs[name], outputs["process: translate.py fp32"])) / len(texts)
+        median = statistics.median(seconds[name])
+        rows.append({"strategy": dc.label, "length_penalty": lp, "decoder": name, "seconds": median, "sentences_per_s": len(texts) / median, "bleu": score(outputs[name], refs).bleu, "same_as_ours_fp32": same})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, CompareConfig, __doc__)
@@ -199,7 +272,7 @@ def main(argv: list[str]) -> None:
             torch.set_num_threads(cfg.threads)
         test = load_split(DataConfig(dir=cfg.data_dir), cfg.split)
         with tempfile.TemporaryDirectory() as tmp:
-            runs, tokenizer, _ = decoders(cfg, Path(tmp) / "ct2")
+            runs, tokenizer, max_positions = decoders(cfg, Path(tmp) / "ct2")
             texts, refs = list(test["src"])[: cfg.sentences], list(test["tgt"])[: cfg.sentences]
             sources = tokenizer.source.encode(texts)
             results = {"hardware": hardware(), "checkpoint": cfg.checkpoint, "sentences": len(sources), "rows": []}
@@ -207,19 +280,24 @@ def main(argv: list[str]) -> None:
             settings = [beam.greedy()] + [dataclasses.replace(beam, length_penalty=lp) for lp in cfg.length_penalties]
             for dc in settings:
                 results["rows"] += compare(runs, sources, refs, tokenizer, dc, cfg.rounds)
+                if cfg.whole_process:
+                    results["rows"] += whole_processes(cfg, texts, refs, sources, tokenizer, dc, Path(tmp), max_positions)  # fmt: skip
     print(json.dumps(results["hardware"]))
     print(
         f"{cfg.checkpoint}: {len(sources)} {cfg.split} sentences, {torch.get_num_threads()} threads, medians of {cfg.rounds}"
     )
     print(
-        f"{'strategy':<9}{'lp':>5} {'decoder':<30}{'BLEU':>7}{'same':>8}{'seconds':>9}{'sent/s':>8}{'speed vs ours fp32':>20}"
+        f"{'strategy':<9}{'lp':>5} {'decoder':<38}{'BLEU':>7}{'same':>8}{'seconds':>9}{'sent/s':>8}{'speed vs ours fp32':>20}"
     )
+    process = lambda r: r["decoder"].startswith("process: ")  # noqa: E731
     reference = {
-        (r["strategy"], r["length_penalty"]): r["seconds"] for r in results["rows"] if r["decoder"] == "ours fp32"
+        (r["strategy"], r["length_penalty"], process(r)): r["seconds"]
+        for r in results["rows"]
+        if r["decoder"] in ("ours fp32", "process: translate.py fp32")
     }
     for r in results["rows"]:
-        r["speed_vs_ours_fp32"] = reference[r["strategy"], r["length_penalty"]] / r["seconds"]
-        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<30}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.2f}{r['sentences_per_s']:>8.0f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
+        r["speed_vs_ours_fp32"] = reference[r["strategy"], r["length_penalty"], process(r)] / r["seconds"]
+        print(f"{r['strategy']:<9}{r['length_penalty']:>5.1f} {r['decoder']:<38}{r['bleu']:>7.2f}{r['same_as_ours_fp32']:>8.1%}{r['seconds']:>9.2f}{r['sentences_per_s']:>8.0f}{r['speed_vs_ours_fp32']:>19.2f}x")  # fmt: skip
     if cfg.output:
         with exit_on_user_error():
             atomic_write_text(cfg.output, json.dumps(results, indent=2))

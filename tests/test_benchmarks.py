@@ -118,6 +118,35 @@ def test_ctranslate2_is_timed_in_a_process_of_its_own(tmp_path):
         CTranslate2InChild(str(tmp_path / "missing"), "float32", 1, pieces, options)()
 
 
+@pytest.mark.e2e
+def test_a_ctranslate2_users_process_translates_a_file_as_our_pieces_decode(tmp_path):
+    """compare_exported.py's whole CTranslate2 process (sentencepiece and ctranslate2, no torch)
+    cuts the lines into the pieces our tokenizer gives and writes what CTranslate2 decodes from
+    them, one line each."""
+    pytest.importorskip("ctranslate2")
+    from common import CTranslate2InChild
+    from transformer.interop.export import SOURCE_MODEL, TARGET_MODEL, export
+
+    from .briefly_trained import multi30k_corpus, trained_model
+    from .servers import load_entry
+
+    script = load_entry("benchmarks/compare_exported.py")
+    corpus = multi30k_corpus()
+    model, tokenizer = trained_model(corpus, {}, steps=1)
+    export(model, tokenizer, tmp_path / "ct2", "float32")
+    lines = corpus[0][:4]
+    (tmp_path / "in.txt").write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+    options = dict(beam_size=2, max_decoding_length=5, min_decoding_length=5)
+    source_model = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
+    models = [str(tmp_path / "ct2" / name) for name in (source_model, TARGET_MODEL)]
+    args = [str(tmp_path / "ct2"), "float32", "1", *models, str(tmp_path / "in.txt"), str(tmp_path / "out.txt")]
+    subprocess.run([sys.executable, "-c", script.CT2_PROCESS, *args, json.dumps(options)], check=True)
+    pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in tokenizer.source.encode(lines)]
+    _, hypotheses = CTranslate2InChild(str(tmp_path / "ct2"), "float32", 1, pieces, options)()
+    want = tokenizer.decode([[tokenizer.piece_to_id(p) for p in h] for h in hypotheses])
+    assert (tmp_path / "out.txt").read_text(encoding="utf-8").splitlines() == want
+
+
 def test_compare_exported_runs_the_decoders_named_and_ours_fp32():
     from transformer.errors import ConfigError
 
