@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from transformer.decoding import DecodeConfig, beam_search, greedy
-from transformer.fast import accelerate, compiled, int8
+from transformer.fast import accelerate, compiled, int8, int8_call
 from transformer.model import attention_variants, padding_mask
 from transformer.runtime import RuntimeConfig
 
@@ -54,6 +54,18 @@ def search(model, src):
         return greedy(model, src, BOS, EOS, cfg), beam_search(model, src, BOS, EOS, cfg)
 
 
+def assert_steps_equal(eager, model, src, tgt):
+    """Step by step, teacher forced on `tgt`: `model`'s decoder output equals `eager`'s at every step."""
+    with torch.no_grad():
+        mask = padding_mask(src, PAD)
+        memory = eager.encode(src, mask)[0]
+        states = eager.new_state(), model.new_state()
+        for i in range(tgt.size(1)):
+            want = eager.decode(tgt[:, i : i + 1], memory, mask, states[0], project=False)[0]
+            got = model.decode(tgt[:, i : i + 1], memory, mask, states[1], project=False)[0]
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
 @pytest.mark.parametrize("variant", [{}, TEACHER_LIKE], ids=["post-norm", "rope-swiglu-gqa"])
 def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, caplog):
@@ -63,14 +75,7 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
     src[3:, 6:] = PAD
     tgt = random_tokens(5, 7)
     eager, model = fast_model(False, **variant), fast_model(True, **variant)
-    with torch.no_grad():  # step by step, teacher forced: the decoder output of every step
-        mask = padding_mask(src, PAD)
-        memory = eager.encode(src, mask)[0]
-        states = eager.new_state(), model.new_state()
-        for i in range(tgt.size(1)):
-            want = eager.decode(tgt[:, i : i + 1], memory, mask, states[0], project=False)[0]
-            got = model.decode(tgt[:, i : i + 1], memory, mask, states[1], project=False)[0]
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_steps_equal(eager, model, src, tgt)
     assert model.compiled_step.programs[1] is not None
 
     rows = count_compiled(monkeypatch)
@@ -94,7 +99,7 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
 @pytest.mark.parametrize("kernel", [k for k in int8.KERNELS if int8.kernel_available(k)])
 def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, tmp_path, monkeypatch):
     """int8 with the compiled step: the program calls the decoder's int8 layers on their kernel
-    (int8.Int8Call) and equals the same quantized model decoding eagerly, step by step and in
+    (int8_call.Int8Call) and equals the same quantized model decoding eagerly, step by step and in
     greedy and beam search."""
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
@@ -104,16 +109,9 @@ def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, tmp_path, monkey
     src[3:, 6:] = PAD
     tgt = random_tokens(5, 7)
     eager, model = fast_model(False, int8=True, **TEACHER_LIKE), fast_model(True, int8=True, **TEACHER_LIKE)
-    layers = int8.int8_layers(model.decoder_layers)
+    layers = int8_call.int8_layers(model.decoder_layers)
     assert layers and all(layer.kernel == kernel for layer in layers.values())
-    with torch.no_grad():
-        mask = padding_mask(src, PAD)
-        memory = eager.encode(src, mask)[0]
-        states = eager.new_state(), model.new_state()
-        for i in range(tgt.size(1)):
-            want = eager.decode(tgt[:, i : i + 1], memory, mask, states[0], project=False)[0]
-            got = model.decode(tgt[:, i : i + 1], memory, mask, states[1], project=False)[0]
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_steps_equal(eager, model, src, tgt)
     assert model.compiled_step.programs[1] is not None
     rows = count_compiled(monkeypatch)
     (greedy_eager, beams_eager), (greedy_compiled, beams_compiled) = search(eager, src), search(model, src)

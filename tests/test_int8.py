@@ -18,15 +18,14 @@ from transformer.decoding import DecodeConfig, translate_ids
 from transformer.errors import ConfigError
 from transformer.fast.int8 import (
     KERNELS,
-    Int8Call,
     Int8Linear,
     describe,
     exact_weight_levels,
     kernel_plan,
-    products_of,
     quantize_int8,
     quantize_rows,
 )
+from transformer.fast.int8_call import Int8Call, products_of
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
 

@@ -18,7 +18,7 @@ step: the first step (which stores the encoder's keys and values) and any step t
 not take run eagerly on the same state. The program returns the decoder's normalized output; the
 output layer (packed, int8, shortlisted) stays the fast model's own.
 
-int8 decoder layers (runtime.precision=int8) are traced as int8.Int8Call: the input's preparation
+int8 decoder layers (runtime.precision=int8) are traced as int8_call.Int8Call: the input's preparation
 and the output's scaling are in the program, and the product is the operator
 transformer::int8_product, which runs the layer of that name of the model whose step is running
 (FBGEMM's packed weights are no tensor a program could hold). So a kept program serves any model
@@ -55,7 +55,7 @@ from ..model.attention import MultiHeadAttention
 from ..model.cache import KeyValueCache
 from .attention import FastMultiHeadAttention
 from .cache import FastKeyValueCache
-from .int8 import Int8Call, int8_layers, products_of
+from .int8_call import Int8Call, int8_layers, products_of
 from .timings import cache_dir, machine_key
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Step(nn.Module):
 def step_weights(model: Transformer) -> dict[str, Tensor]:
     """The parameters and buffers a program holds: the model's state without the encoder's,
     without an int8 output layer's (it runs eagerly after the step), and of the decoder's int8
-    layers their bias alone (the program calls them for their products: int8.Int8Call)."""
+    layers their bias alone (the program calls them for their products: int8_call.Int8Call)."""
     called = tuple(f"{name}." for name in int8_layers(model.decoder_layers, "decoder_layers"))
     return {
         k: v
@@ -139,7 +139,7 @@ def step_weights(model: Transformer) -> dict[str, Tensor]:
 def traced_model(model: Transformer, decoder_layer: type) -> Transformer:
     """A reference Transformer with `model`'s decoding weights whose decoder layers are of the fast
     class `decoder_layer` (FastDecoderLayer: beams folded), and whose layers that are int8 in
-    `model` call them by name (int8.Int8Call); without an encoder, which a step does not run."""
+    `model` call them by name (int8_call.Int8Call); without an encoder, which a step does not run."""
     reference = Transformer(model.cfg)
     for name, layer in int8_layers(model.decoder_layers, "decoder_layers").items():
         parent, child = name.rsplit(".", 1)
@@ -232,7 +232,14 @@ def code_digest() -> str:
     here = Path(__file__).parent
     digest = hashlib.blake2b(digest_size=16)
     for path in sorted(
-        [*(here.parent / "model").glob("*.py"), here / "model.py", here / "cache.py", here / "int8.py", Path(__file__)]
+        [
+            *(here.parent / "model").glob("*.py"),
+            here / "model.py",
+            here / "cache.py",
+            here / "int8.py",
+            here / "int8_call.py",
+            Path(__file__),
+        ]
     ):
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -260,7 +267,7 @@ class CompiledStep:
         self.setting, self.decoder_layer = setting, decoder_layer
         self.programs: dict[int, object] = {}  # width class (1, or 2 for several rows per sentence) -> program
         self.digest: str | None = None
-        self.int8: dict = {}  # the model's int8 layers by name, which its programs call (int8.products_of)
+        self.int8: dict = {}  # the model's int8 layers by name, which its programs call (int8_call.products_of)
 
     def __deepcopy__(self, memo) -> CompiledStep:
         """A copy of the model (to quantize it, say) finds programs of its own."""
