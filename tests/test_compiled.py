@@ -6,6 +6,8 @@ the log."""
 
 import logging
 import shutil
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,17 +68,40 @@ def assert_steps_equal(eager, model, src, tgt):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def products_on(monkeypatch, library: str) -> None:
+    """Programs compiled from now on run their fp32 products on `library` ("blas" or "onednn"),
+    whatever this CPU's vendor."""
+    monkeypatch.setattr(compiled, "products", lambda: (library, "chosen by the test"))
+
+
+def program_source(cache: Path) -> str:
+    """The C++ of the programs kept under `cache`, as AOTInductor wrote it into each package."""
+    sources = []
+    for package in (cache / "compiled").glob("step-*.pt2"):
+        with zipfile.ZipFile(package) as archive:
+            sources += [archive.read(n).decode() for n in archive.namelist() if n.endswith(".wrapper.cpp")]
+    assert sources, "a kept program with its C++"
+    return "\n".join(sources)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
-@pytest.mark.parametrize("variant", [{}, TEACHER_LIKE], ids=["post-norm", "rope-swiglu-gqa"])
-def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    "variant, library",
+    [({}, "blas"), (TEACHER_LIKE, "blas"), (TEACHER_LIKE, "onednn")],
+    ids=["post-norm", "rope-swiglu-gqa", "rope-swiglu-gqa-onednn"],
+)
+def test_compiled_steps_equal_the_eager_steps(variant, library, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
+    products_on(monkeypatch, library)
     src = random_tokens(5, 9)
     src[3:, 6:] = PAD
     tgt = random_tokens(5, 7)
     eager, model = fast_model(False, **variant), fast_model(True, **variant)
     assert_steps_equal(eager, model, src, tgt)
     assert model.compiled_step.programs[1] is not None
+    # The program's fp32 products: oneDNN's with the weights packed inside it, or torch's BLAS.
+    assert ("_linear_pointwise" in program_source(tmp_path)) == (library == "onednn")
 
     rows = count_compiled(monkeypatch)
     (greedy_eager, beams_eager), (greedy_compiled, beams_compiled) = search(eager, src), search(model, src)
@@ -93,16 +118,19 @@ def test_compiled_steps_equal_the_eager_steps(variant, tmp_path, monkeypatch, ca
     with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
         assert search(fast_model(None, **variant), src)[0] == greedy_eager
     assert "steps after the first run" in caplog.text and 15 in rows
+    assert "fp32 products" in caplog.text and "chosen by the test" in caplog.text
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
 @pytest.mark.parametrize("kernel", [k for k in int8.KERNELS if int8.kernel_available(k)])
-def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, tmp_path, monkeypatch):
+@pytest.mark.parametrize("library", ["blas", "onednn"])
+def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, library, tmp_path, monkeypatch):
     """int8 with the compiled step: the program calls the decoder's int8 layers on their kernel
     (int8_call.Int8Call) and equals the same quantized model decoding eagerly, step by step and in
-    greedy and beam search."""
+    greedy and beam search, with its fp32 products on either library."""
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
+    products_on(monkeypatch, library)
     plan = int8.Int8Plan(int8.exact_weight_levels(kernel), "test", kernel=kernel)
     monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: plan)
     src = random_tokens(5, 9)
@@ -117,6 +145,14 @@ def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, tmp_path, monkey
     (greedy_eager, beams_eager), (greedy_compiled, beams_compiled) = search(eager, src), search(model, src)
     assert 5 in rows and 15 in rows and greedy_compiled == greedy_eager
     assert [[h.tokens for h in b] for b in beams_compiled] == [[h.tokens for h in b] for b in beams_eager]
+
+
+def test_fp32_products_are_packed_for_onednn_where_mkl_runs_generic_kernels(monkeypatch):
+    """The rule the log states: packed for oneDNN on AMD CPUs (MKL runs its generic kernels
+    there); on torch's BLAS, as traced, on Intel CPUs and where the vendor cannot be read."""
+    for vendor, library in [("GenuineIntel", "blas"), ("AuthenticAMD", "onednn"), ("unknown", "blas")]:
+        monkeypatch.setattr(compiled, "cpu_info", lambda field, default, vendor=vendor: vendor if field == "vendor_id" else default)  # fmt: skip
+        assert compiled.products()[0] == library
 
 
 def test_without_a_compiler_the_eager_step_runs_and_says_why(tmp_path, monkeypatch, caplog):

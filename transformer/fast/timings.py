@@ -40,12 +40,17 @@ def timings_path(what: str) -> Path:
 
 
 @functools.cache
-def cpu_name() -> str:
+def cpu_info(field: str, default: str) -> str:
+    """A field of the first CPU in /proc/cpuinfo ("model name", "vendor_id"), or `default`."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return "unknown CPU"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+        return default
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), default)
+
+
+def cpu_name() -> str:
+    return cpu_info("model name", "unknown CPU")
 
 
 def machine_key() -> str:
