@@ -58,12 +58,12 @@ from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output
 from transformer.interop.export import (
-    SOURCE_MODEL,
     TARGET_MODEL,
     export,
     length_limits,
     require_ctranslate2,
     search_options,
+    source_model,
 )
 from transformer.runtime import RuntimeConfig
 from transformer.translator import Translator
@@ -233,7 +233,7 @@ def whole_processes(cfg: CompareConfig, texts, refs, sources, tokenizer, dc: Dec
     options = search_options(dc, tokenizer.id_to_piece(tokenizer.pad_id))
     limit = max(length_limits(sources, dc, max_positions))
     options |= dict(max_decoding_length=limit - 1, max_batch_size=cfg.ct2_batch, batch_type="examples")
-    models = [directory / "ct2" / (TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL), directory / "ct2" / TARGET_MODEL]  # fmt: skip
+    models = [directory / "ct2" / source_model(tokenizer), directory / "ct2" / TARGET_MODEL]
     threads = str(cfg.threads or torch.get_num_threads())
 
     def theirs(compute_type: str) -> list[str]:

@@ -125,7 +125,7 @@ def test_a_ctranslate2_users_process_translates_a_file_as_our_pieces_decode(tmp_
     them, one line each."""
     pytest.importorskip("ctranslate2")
     from common import CTranslate2InChild
-    from transformer.interop.export import SOURCE_MODEL, TARGET_MODEL, export
+    from transformer.interop.export import TARGET_MODEL, export, source_model
 
     from .briefly_trained import multi30k_corpus, trained_model
     from .servers import load_entry
@@ -137,8 +137,7 @@ def test_a_ctranslate2_users_process_translates_a_file_as_our_pieces_decode(tmp_
     lines = corpus[0][:4]
     (tmp_path / "in.txt").write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     options = dict(beam_size=2, max_decoding_length=5, min_decoding_length=5)
-    source_model = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
-    models = [str(tmp_path / "ct2" / name) for name in (source_model, TARGET_MODEL)]
+    models = [str(tmp_path / "ct2" / name) for name in (source_model(tokenizer), TARGET_MODEL)]
     args = [str(tmp_path / "ct2"), "float32", "1", *models, str(tmp_path / "in.txt"), str(tmp_path / "out.txt")]
     subprocess.run([sys.executable, "-c", script.CT2_PROCESS, *args, json.dumps(options)], check=True)
     pieces = [[tokenizer.source.id_to_piece(t) for t in s] for s in tokenizer.source.encode(lines)]

@@ -3,6 +3,7 @@ autocast (bf16 on GPUs and on CPUs with bf16 matrix instructions, fp16 on older 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -35,6 +36,16 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
         except OSError:
             return set()
     return set(next((line.split(":", 1)[-1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+
+
+@functools.cache
+def cpu_info(field: str, default: str) -> str:
+    """A field of the first CPU in /proc/cpuinfo ("model name", "vendor_id"), or `default`."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return default
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), default)
 
 
 def cpu_has_bf16_matmul(cpuinfo: str | None = None) -> bool:

@@ -56,13 +56,14 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..devices import cpu_info
 from ..model import DecoderState, LayerCache, Transformer
 from ..model.attention import MultiHeadAttention
 from ..model.cache import KeyValueCache
 from .attention import FastMultiHeadAttention
 from .cache import FastKeyValueCache
 from .int8_call import Int8Call, int8_layers, products_of
-from .timings import cache_dir, cpu_info, machine_key
+from .timings import cache_dir, machine_key
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def products() -> tuple[str, str]:
     vendor = cpu_info("vendor_id", "unknown")
     if vendor in ("AuthenticAMD", "HygonGenuine"):
         return "onednn", f"{vendor}: MKL, torch's BLAS, runs its generic kernels on this CPU"
-    return "blas", f"{vendor}: products as traced, on torch's BLAS"
+    return "blas", f"{vendor}: as traced"
 
 
 def compile_step(model: Transformer, width: int, path: Path, decoder_layer: type, library: str = "blas") -> None:
@@ -350,7 +351,8 @@ class CompiledStep:
             log.warning("compiled decoding step (%s): %s could not be loaded (%s), eager steps", what, path, e)
             return None
         log_once(f"compiled decoding step ({what}): steps after the first run {path}")
-        log_once(f"compiled decoding step: fp32 products {'packed for oneDNN' if library == 'onednn' else 'on MKL'} in the program ({why})")  # fmt: skip
+        where = "packed for oneDNN" if library == "onednn" else "on torch's BLAS"
+        log_once(f"compiled decoding step: fp32 products {where} in the program ({why})")
         return program
 
     def __call__(self, model: Transformer, tgt: Tensor, src_mask: Tensor, state: DecoderState) -> Tensor:

@@ -12,7 +12,6 @@ that cannot be written is logged.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..devices import CPU_FEATURES, ISA_VARIABLES, cpu_flags
+from ..devices import CPU_FEATURES, ISA_VARIABLES, cpu_flags, cpu_info
 from ..files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -37,16 +36,6 @@ def cache_dir() -> Path:
 
 def timings_path(what: str) -> Path:
     return cache_dir() / f"{what}_timings.json"
-
-
-@functools.cache
-def cpu_info(field: str, default: str) -> str:
-    """A field of the first CPU in /proc/cpuinfo ("model name", "vendor_id"), or `default`."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return default
-    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() == field), default)
 
 
 def cpu_name() -> str:

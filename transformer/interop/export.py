@@ -233,8 +233,14 @@ def replace_dir(new: Path, output: Path) -> None:
         shutil.rmtree(old)
 
 
+def source_model(tokenizer: Tokenizer) -> str:
+    """The file name of the SentencePiece model an export's sources are cut with (its own where the
+    source side has one, else the joint model)."""
+    return TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
+
+
 def usage_note(tokenizer: Tokenizer, quantization: str, note: str, vmap: bool = False) -> str:
-    source = TARGET_MODEL if tokenizer.source_bytes is None else SOURCE_MODEL
+    source = source_model(tokenizer)
     pad, start = tokenizer.id_to_piece(tokenizer.pad_id), tokenizer.id_to_piece(tokenizer.bos_id)
     tags = {lang: tokenizer.source.id_to_piece(i) for lang, i in sorted(tokenizer.target_tags.items())}
     tag = next(iter(tags.values()), "")
