@@ -105,7 +105,10 @@ class Server:
     def __enter__(self) -> Server:
         return self.wait()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc is not None:  # a test failed talking to it: its threads' stacks and its log go with the error
+            self.dump_threads()
+            exc.add_note("serve.py log, ending with its threads' stacks if it still ran:\n" + "".join(self.log[-200:]))
         self.stop()
         if self.process.poll() is None:
             self.process.kill()

@@ -29,6 +29,8 @@ from transformer.errors import ConfigError
 from transformer.fast.paged import PagedKeyValueCache
 from transformer.serving import ServeLimits
 from transformer.serving import app as serving_app
+from transformer.serving.batcher import Job
+from transformer.serving.continuous import Request
 from transformer.serving.metrics import Metrics
 from transformer.translator import Translator
 
@@ -123,6 +125,46 @@ def test_torch_work_other_than_decoding_runs_on_the_decoding_thread(model_path):
     module = load_entry("serve.py")
     assert module.off_the_main_thread(threading.current_thread) is not threading.current_thread()
     assert not module.off_the_main_thread(threading.current_thread).is_alive()
+
+
+@pytest.mark.parametrize("kind", ["batch", "continuous"])
+def test_a_request_queued_while_the_decoding_thread_takes_the_queue_is_not_lost(model_path, kind):
+    """A request reads the scheduler's queue on the event loop, then appends to it under the lock;
+    the decoding thread may take the queue in between. The request is decoded all the same (when
+    that thread swapped in a new list, the request went into the old one, already taken, and its
+    client waited forever)."""
+    translator = loaded_translator(model_path)
+    sources = translator.encode(corpus_lines("de", 2, "val"))
+    _, batcher, _ = serving_app.scheduler(translator, ServeLimits(), SchedulerConfig(kind=kind, pool_mib=1), Metrics())  # fmt: skip
+    first, second = asyncio.run(second_reads_the_queue_first(batcher, sources, translator.decode))
+    assert tokens(first) == tokens(second)  # (scores may differ in their last bits: by_rows times kernels)
+
+
+async def second_reads_the_queue_first(batcher, sources: list[list[int]], settings) -> list:
+    """Two requests of `sources`; the second reads the queue before the first is queued, and
+    appends to it once the decoding thread has taken the first."""
+    queue, job = (batcher.incoming, Request) if isinstance(batcher, serving_app.ContinuousBatcher) else (batcher.pending, Job)  # fmt: skip
+    batcher.start()
+    first = asyncio.ensure_future(batcher.translate(sources, settings))
+    await asyncio.sleep(0)  # the first is queued
+    assert await async_wait_for(lambda: len(batcher) == 0)  # and taken by the decoding thread
+    future = asyncio.get_running_loop().create_future()
+    answers = await answer(asyncio.gather(first, batcher.enqueue(queue, job(sources, settings, future), future)))
+    batcher.close()
+    return answers
+
+
+def tokens(answer) -> list[list[list[int]]]:
+    return [[h.tokens for h in n_best] for n_best in answer.n_best]
+
+
+async def async_wait_for(predicate, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
 
 
 def health(server: Server) -> dict:

@@ -89,7 +89,8 @@ class DecodingThread:
 
     async def enqueue(self, queue, item, future: asyncio.Future):
         """Put a request on one of the thread's queues and wait for its answer; QueueFull when
-        max_queue requests wait (len(self)) or the server is shutting down."""
+        max_queue requests wait (len(self)) or the server is shutting down. The caller reads
+        `queue` before the lock is taken, so the thread empties its queues and never replaces them."""
         with self.changed:
             if self.closing:
                 raise QueueFull("the server is shutting down")
@@ -124,7 +125,7 @@ class Batcher(DecodingThread):
                     self.changed.wait()
                 if not self.pending and not self.calls:
                     return
-                calls = take_calls(self.calls)
+                calls = take_all(self.calls)
                 jobs = self.next_batch() if self.pending else []
             run_calls(calls)
             if jobs:
@@ -169,9 +170,10 @@ class Batcher(DecodingThread):
             resolve(job.future, Answer(mine, queue_ms, decode_ms, sentences, len(jobs)))
 
 
-def take_calls(calls: deque) -> list:
-    taken = list(calls)
-    calls.clear()
+def take_all(queue: deque | list) -> list:
+    """The queue's items, leaving it empty (called holding the lock)."""
+    taken = list(queue)
+    queue.clear()
     return taken
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..decoding import DecodeConfig, Hypothesis
 from ..decoding.engine import AdmissionFailed, Engine, Sentence
 from ..decoding.strategies import empty_n_best
-from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_calls
+from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_all
 
 
 @dataclass
@@ -61,8 +61,10 @@ class ContinuousBatcher(DecodingThread):
                     self.changed.wait()
                 if not self.incoming and not self.calls and not self.engine.busy:
                     return
-                incoming, self.incoming = self.incoming, []
-                calls = take_calls(self.calls)
+                # Emptied in place, never replaced: a request appends to the list it read before
+                # taking the lock (enqueue), which must still be the one this thread reads next.
+                incoming = take_all(self.incoming)
+                calls = take_all(self.calls)
             run_calls(calls)
             if not incoming and not self.engine.busy:
                 continue
