@@ -4,10 +4,13 @@ positions gives the reference model's own incremental logits; sentences that joi
 running batch get translate_ids' translations, greedy and beam, for the model variants the
 engine runs (the default recipe's block among them), and under bf16 too; a full pool makes
 sentences wait, and a pool a quarter of the need preempts and still translates every sentence the
-same; a cancelled sentence gives its blocks back; a sentence whose encoder pass fails
-leaves with its blocks returned while the batch runs on."""
+same; a cancelled sentence gives its blocks back; sentences arriving and cancelled at random
+steps all end; a sentence whose encoder pass fails leaves with its blocks returned while the
+batch runs on."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -326,4 +329,41 @@ def test_sentences_with_different_settings_share_a_small_pool_and_get_their_own_
         engine.step(join_tokens=4096)
     assert engine.preemptions > 0
     assert [[h.tokens for h in hyps] for hyps in out] == [[h.tokens for h in hyps] for hyps in expected]
+    assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sentences_arriving_and_cancelled_at_random_steps_in_a_small_pool_all_end(accelerated, corpus, seed):
+    """Sentences of mixed settings added at random steps (as requests arrive at a server), some
+    cancelled at a random later step, in a pool that preempts: every sentence not cancelled gets
+    translate_ids' translation, none waits forever, and every block comes back."""
+    model, tokenizer = accelerated({})
+    rng = random.Random(seed)
+    base = DecodeConfig(strategy="beam", beam_size=4)
+    translator = Translator(model, tokenizer, "cpu", base)
+    sources = translator.encode(corpus[0][:14])
+    kinds = [DecodeConfig(strategy="greedy"), DecodeConfig(strategy="beam", beam_size=2), DecodeConfig(strategy="beam", beam_size=4)]  # fmt: skip
+    settings = [rng.choice(kinds) for _ in sources]
+    expected = [translator.translate_ids([ids], s)[0] for ids, s in zip(sources, settings)]
+    arrives = [rng.randrange(12) for _ in sources]
+    cancelled_at = [at + rng.randrange(1, 6) if rng.random() < 0.3 else None for at in arrives]
+    per_block = BlockPool.bytes_per_block(4, *paged.pool_shape(model), torch.float32)
+    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=per_block, block_size=4)
+    probes = [Sentence(ids + [tokenizer.eos_id], s, lambda nb: None) for ids, s in zip(sources, settings)]
+    for probe in probes:
+        probe.max_len = engine.length_limit(len(probe.ids), probe.settings)
+    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=max(map(engine.need, probes)) * per_block, block_size=4)
+    out, now = [None] * len(sources), {"step": 0}
+    while now["step"] < 12 or engine.busy:
+        for i, (ids, s) in enumerate(zip(sources, settings)):
+            if arrives[i] == now["step"]:
+                gone = lambda i=i: cancelled_at[i] is not None and now["step"] >= cancelled_at[i]  # noqa: E731
+                engine.add(Sentence(ids + [tokenizer.eos_id], s, lambda nb, i=i: out.__setitem__(i, nb), gone))
+        engine.step(join_tokens=rng.choice([8, 64, 4096]))
+        now["step"] += 1
+        assert now["step"] < 2000, "a sentence waits forever"
+    for i, (hyps, ref) in enumerate(zip(out, expected)):
+        if cancelled_at[i] is None or hyps is not None:  # a cancelled sentence may have ended first
+            assert hyps is not None and [h.tokens for h in hyps] == [h.tokens for h in ref]
+    assert engine.preemptions > 0 and any(at is not None and hyps is None for at, hyps in zip(cancelled_at, out))
     assert sorted(engine.pool.free) == list(range(engine.pool.n_blocks))
