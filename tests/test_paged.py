@@ -305,6 +305,17 @@ def test_the_engine_decodes_through_the_models_own_decoder_layers(accelerated, c
     assert len(calls) == engine.steps * model.cfg.n_decoder_layers
 
 
+def smallest_engine(model, tokenizer, base: DecodeConfig, sources: list[list[int]], settings: list[DecodeConfig]) -> Engine:  # fmt: skip
+    """An engine (blocks of 4 positions) whose pool holds, alone, the sentence of `sources` that
+    needs the most blocks at its own settings, and no more."""
+    per_block = BlockPool.bytes_per_block(4, *paged.pool_shape(model), torch.float32)
+    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=per_block, block_size=4)
+    probes = [Sentence(ids + [tokenizer.eos_id], s, lambda nb: None) for ids, s in zip(sources, settings)]
+    for probe in probes:
+        probe.max_len = engine.length_limit(len(probe.ids), probe.settings)
+    return Engine(model, tokenizer, base, "cpu", pool_bytes=max(map(engine.need, probes)) * per_block, block_size=4)
+
+
 def test_sentences_with_different_settings_share_a_small_pool_and_get_their_own_translations(accelerated, corpus):
     """Greedy and beam sentences of different beam sizes run side by side (as requests with their
     own settings do in the server), in a pool small enough to preempt: each gets translate_ids'
@@ -316,12 +327,7 @@ def test_sentences_with_different_settings_share_a_small_pool_and_get_their_own_
     kinds = [DecodeConfig(strategy="greedy"), DecodeConfig(strategy="beam", beam_size=2), DecodeConfig(strategy="beam", beam_size=4, n_best=2)]  # fmt: skip
     settings = [kinds[i % 3] for i in range(len(sources))]
     expected = [translator.translate_ids([ids], s)[0] for ids, s in zip(sources, settings)]
-    per_block = BlockPool.bytes_per_block(4, *paged.pool_shape(model), torch.float32)
-    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=per_block, block_size=4)
-    probes = [Sentence(ids + [tokenizer.eos_id], s, lambda nb: None) for ids, s in zip(sources, settings)]
-    for probe in probes:
-        probe.max_len = engine.length_limit(len(probe.ids), probe.settings)
-    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=max(map(engine.need, probes)) * per_block, block_size=4)
+    engine = smallest_engine(model, tokenizer, base, sources, settings)
     out = [None] * len(sources)
     for i, (ids, s) in enumerate(zip(sources, settings)):
         engine.add(Sentence(ids + [tokenizer.eos_id], s, lambda nb, i=i: out.__setitem__(i, nb)))
@@ -347,12 +353,7 @@ def test_sentences_arriving_and_cancelled_at_random_steps_in_a_small_pool_all_en
     expected = [translator.translate_ids([ids], s)[0] for ids, s in zip(sources, settings)]
     arrives = [rng.randrange(12) for _ in sources]
     cancelled_at = [at + rng.randrange(1, 6) if rng.random() < 0.3 else None for at in arrives]
-    per_block = BlockPool.bytes_per_block(4, *paged.pool_shape(model), torch.float32)
-    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=per_block, block_size=4)
-    probes = [Sentence(ids + [tokenizer.eos_id], s, lambda nb: None) for ids, s in zip(sources, settings)]
-    for probe in probes:
-        probe.max_len = engine.length_limit(len(probe.ids), probe.settings)
-    engine = Engine(model, tokenizer, base, "cpu", pool_bytes=max(map(engine.need, probes)) * per_block, block_size=4)
+    engine = smallest_engine(model, tokenizer, base, sources, settings)
     out, now = [None] * len(sources), {"step": 0}
     while now["step"] < 12 or engine.busy:
         for i, (ids, s) in enumerate(zip(sources, settings)):
