@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import secrets
 import zipfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -81,18 +82,20 @@ def writing(path: str | Path) -> Iterator[None]:
 
 @contextmanager
 def atomic_open(path: str | Path) -> Iterator[BinaryIO]:
-    """A binary file to write `path` through: a temporary file in the same directory, fsynced and
-    renamed over `path` (over a symlink's target) when the block ends; removed if it raises.
+    """A binary file to write `path` through: a temporary file of its own in the same directory
+    (.NAME.PID-RANDOM.tmp), fsynced and renamed over `path` (over a symlink's target) when the
+    block ends; removed if it raises.
     A device or pipe (/dev/null, /dev/stdout) is written directly: it cannot be replaced."""
     if Path(path).exists() and not Path(path).is_file():
         with writing(path), open(path, "wb") as f:
             yield f
         return
     target = Path(os.path.realpath(path))
-    tmp = target.with_name(f".{target.name}.tmp")
+    # A name of its own ("x": made anew): two writers of `path` (processes, threads) never share one.
+    tmp = target.with_name(f".{target.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         with writing(path):
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 yield f
                 f.flush()
                 os.fsync(f.fileno())

@@ -269,10 +269,11 @@ def plan_cache_path() -> Path:
 
 
 def timing_key(weight_levels: int, onednn: bool, shape: tuple[int, int], kernel: str = "onednn") -> str:
-    """What a timing depends on: the machine (timings.machine_key), the fp32 path it is compared
-    with, the weight range, the layer shape and the int8 kernel."""
+    """What a timing depends on: the machine (timings.machine_key), the threads, the fp32 path it is
+    compared with, the weight range, the layer shape and the int8 kernel."""
     fp32 = "onednn" if onednn else "blas"
-    return f"{timings.machine_key()} | {fp32} | {weight_levels} | {shape[0]}x{shape[1]} | {kernel}"
+    product = f"{fp32} | {weight_levels} | {shape[0]}x{shape[1]} | {kernel}"
+    return f"{timings.machine_key()} | {timings.threads_key()} | {product}"
 
 
 def kept_ratio(weight_levels: int, onednn: bool, shape: tuple[int, int], kernel: str = "onednn") -> tuple[float, str]:

@@ -202,7 +202,7 @@ def rows_bucket(rows: int) -> int:
 
 
 def timing_key(key: tuple[int, int, int]) -> str:
-    return f"{timings.machine_key()} | threads {torch.get_num_threads()} | {key[0]}x{key[1]}x{key[2]}"
+    return f"{timings.machine_key()} | {timings.threads_key()} | {key[0]}x{key[1]}x{key[2]}"
 
 
 def by_rows(x: Tensor, weight: Tensor, bias: Tensor | None, packed: PackedWeight, activation: str | None) -> Tensor:
