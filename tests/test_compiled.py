@@ -4,6 +4,7 @@ reordered and sentences dropped between compiled steps), a kept program found by
 layers called by the program on each kernel, and without a C++ compiler the eager step, said in
 the log."""
 
+import inspect
 import logging
 import shutil
 import zipfile
@@ -122,6 +123,50 @@ def test_compiled_steps_equal_the_eager_steps(variant, library, tmp_path, monkey
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+def test_a_model_whose_weights_change_decodes_with_its_new_weights(tmp_path, monkeypatch, caplog):
+    """A program holds the weights it was compiled with. After an optimizer step (fused Adam,
+    which leaves version counters as they were) and after a checkpoint is loaded, the model's next
+    steps are those of its new weights, compiled for them, step by step as the eager model's."""
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    products_on(monkeypatch, "blas")
+    src, tgt = random_tokens(4, 8), random_tokens(4, 6)
+    eager, model = fast_model(False), fast_model(True)
+    assert_steps_equal(eager, model, src, tgt)  # compiled for the first weights
+
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    model(src, tgt).logsumexp(-1).mean().backward()
+    optimizer.step()
+    eager.load_state_dict(model.state_dict())
+    rows = count_compiled(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"):
+        assert_steps_equal(eager, model, src, tgt)
+    assert rows and "weights changed" in caplog.text
+
+    other = fast_model(False)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model.load_state_dict(other.state_dict())
+    rows.clear()
+    assert_steps_equal(other, model, src, tgt)
+    assert rows, "the loaded weights' own program ran"
+    assert len(list((tmp_path / "compiled").glob("step-*.pt2"))) == 3, "one program for each weights"
+
+
+def test_the_program_key_covers_every_file_the_trace_runs_through():
+    """Every class of a traced model, and every module its classes' code comes from, is in the
+    code a program's key digests (fast/attention.py among them)."""
+    model = fast_model(True, **TEACHER_LIKE)
+    traced = compiled.traced_model(model, type(model.decoder_layers[0]))
+    classes = {cls for m in traced.modules() for cls in type(m).__mro__ if cls.__module__.startswith("transformer.")}
+    files = {Path(inspect.getsourcefile(cls)).resolve() for cls in classes}
+    sources = {p.resolve() for p in compiled.traced_sources()}
+    assert files <= sources and Path(compiled.__file__).resolve() in sources
+    assert Path(inspect.getsourcefile(compiled.FastMultiHeadAttention)).resolve() in sources
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
 @pytest.mark.parametrize("kernel", [k for k in int8.KERNELS if int8.kernel_available(k)])
 @pytest.mark.parametrize("library", ["blas", "onednn"])
 def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, library, tmp_path, monkeypatch):
@@ -181,3 +226,30 @@ def test_steps_it_does_not_take_run_eagerly(tmp_path, monkeypatch, caplog):
     assert "attention variants (FastMoHAttention)" in caplog.text
     assert "none kept on this machine" in caplog.text
     assert RuntimeConfig().compiled_step is None
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_a_broken_kept_program_is_named_once_then_compiled_again_or_left(setting, tmp_path, monkeypatch, caplog):
+    """A kept program that cannot be loaded (a torn write, another torch's) gets one warning line
+    naming its file; runtime.compiled_step=true then compiles it again, null decodes eagerly."""
+    monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    broken = tmp_path / "compiled" / "step-kept.pt2"
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a program")
+    monkeypatch.setattr(compiled, "program_path", lambda *args: broken)
+    compiles = []
+
+    def compile_step(model, width, path, *args):  # a compiler that fails: the eager step remains
+        compiles.append(path)
+        raise RuntimeError("no compiler in this test")
+
+    monkeypatch.setattr(compiled, "compile_step", compile_step)
+    src, cfg = random_tokens(3, 6), DecodeConfig(max_len_a=1.0, max_len_b=6)
+    with caplog.at_level(logging.INFO, logger="transformer.fast.compiled"), torch.no_grad():
+        got = greedy(fast_model(setting), src, BOS, EOS, cfg)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([w for w in warnings if "could not be loaded" in w and str(broken) in w]) == 1, warnings
+    assert compiles == ([broken] if setting else [])
+    with torch.no_grad():
+        assert got == greedy(fast_model(False), src, BOS, EOS, cfg)

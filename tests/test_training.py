@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 
@@ -363,3 +365,30 @@ def test_set_dropout_changes_the_residual_and_embedding_dropout_only_and_not_the
     assert changed == {name for name, p in before.items() if p == 0.2} and len(changed) == 1 + 2 * 2 + 2 * 3
     assert all(after[name] == 0.3 for name in changed) and model.cfg.dropout == 0.2  # as configured, saved
     assert {m.dropout for m in model.modules() if hasattr(m, "dropout") and isinstance(m.dropout, float)} == {0.1}
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+def test_training_with_the_compiled_step_validates_and_tests_as_eager_training(tmp_path, shared_corpus):
+    """runtime.compiled_step=true: three validations score as without it (they decode eagerly, the
+    weights change between them), the same best checkpoint, and the test split, translated by a
+    program compiled for the best weights, gives the eager run's translations."""
+    runs = {}
+    for setting in ("false", "true"):
+        run_dir = tmp_path / setting
+        done = subprocess.run(
+            [sys.executable, "train.py", "experiment=smoke", f"data.dir={shared_corpus}", "trainer.max_steps=30",
+             "trainer.eval_every=10", "trainer.precision=fp32", "runtime.onednn_linear=false", "decode.beam_size=1",
+             "decode.max_len_b=10", f"runtime.compiled_step={setting}", f"hydra.run.dir={run_dir}"],
+            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TRANSFORMER_CACHE_DIR": str(tmp_path / "cache")},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        valid = [(r["step"], r["valid_chrf"], r["valid_loss"]) for r in records if "valid_loss" in r]
+        best = torch.load(run_dir / "checkpoint_best.pt", weights_only=False)["step"]
+        hyps = {p.name: p.read_text() for p in sorted(run_dir.glob("test*.en"))}
+        runs[setting] = valid, best, hyps, done.stderr + done.stdout
+    assert len(runs["true"][0]) == 3 and runs["true"][:3] == runs["false"][:3]
+    assert runs["true"][2], "the test split's translations"
+    log = runs["true"][3]
+    assert "validations decode with eager steps" in log and "steps after the first run" in log

@@ -104,7 +104,9 @@ def install(model: nn.Module, runtime: RuntimeConfig) -> tuple[Counter, list[str
         installed[fast.__name__] += 1
     if runtime.onednn or runtime.onednn_inference:
         bound_primitive_caches()
-        refresh_packed_weights()  # after every optimizer step: fused Adam leaves weight versions as they were
+    # After every optimizer step: fused Adam leaves the weights' version counters as they were, and
+    # both packed weights (linear.py) and compiled programs (compiled.py) read them to see a change.
+    refresh_packed_weights()
     return installed, list(dict.fromkeys(kept))
 
 

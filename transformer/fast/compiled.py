@@ -33,8 +33,15 @@ with the same fp32 weights and int8 layers, kernels included.
 Two programs per model and CPU: one for one row per sentence (greedy search, sampling) and one
 for several (beam search), each for any number of sentences, source length and cache capacity.
 They are kept in the cache directory of fast/timings.py under a key naming the weights, the
-model's configuration, the code they are traced from, the CPU and its limits, torch and the
-thread count.
+model's configuration, the code they are traced from (every file of the model and fast packages),
+the CPU and its limits, torch and the thread count.
+
+A program holds the weights it was compiled with (Inductor folds them into it: the oneDNN
+packing needs them as constants). So a model whose step weights change after its programs were
+found (an optimizer step, a checkpoint loaded into it, a quantization) finds the programs of its
+new weights before its next batch, kept or compiled, or decodes eagerly: `CompiledStep` reads each
+weight's place and version counter at every new decoding state (microseconds; the fused
+optimizer's steps bump the counters too, fast/linear.py) and, where they moved, the weights' digest.
 
 runtime.compiled_step: null (the default) uses a program already kept and never compiles; true
 compiles a missing one (about 25 s per program with a C++ compiler; without one, the
@@ -50,6 +57,7 @@ import logging
 import os
 import shutil
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -60,6 +68,7 @@ from ..devices import cpu_info
 from ..model import DecoderState, LayerCache, Transformer
 from ..model.attention import MultiHeadAttention
 from ..model.cache import KeyValueCache
+from . import timings
 from .attention import FastMultiHeadAttention
 from .cache import FastKeyValueCache
 from .int8_call import Int8Call, int8_layers, products_of
@@ -242,24 +251,28 @@ def unsupported(model: Transformer, decoder_layer: type) -> str | None:
     return None
 
 
+def traced_sources() -> list[Path]:
+    """The files a program's code comes from: the model's package and the fast package (its
+    caches, attention, layers and int8 calls, which the trace runs through), this file included."""
+    here = Path(__file__).parent
+    return sorted([*(here.parent / "model").glob("*.py"), *here.glob("*.py")])
+
+
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code a program is traced from: the model's modules and this file, so a
-    program kept by an earlier version of them is not used."""
-    here = Path(__file__).parent
+    """A digest of the code a program is traced from (traced_sources), so a program kept by an
+    earlier version of any of it is not used."""
     digest = hashlib.blake2b(digest_size=16)
-    for path in sorted(
-        [
-            *(here.parent / "model").glob("*.py"),
-            here / "model.py",
-            here / "cache.py",
-            here / "int8.py",
-            here / "int8_call.py",
-            Path(__file__),
-        ]
-    ):
-        digest.update(path.read_bytes())
+    for path in traced_sources():
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+def weights_places(model: Transformer) -> tuple:
+    """Where each weight a step reads lives and how often it was written in place: its name, the
+    address of its data, its version counter and shape. Any change of the weights (an optimizer
+    step, load_state_dict, a parameter replaced) changes it."""
+    return tuple((k, t.data_ptr(), t._version, tuple(t.shape)) for k, t in step_weights(model).items())
 
 
 def weights_digest(model: Transformer) -> str:
@@ -275,20 +288,49 @@ def weights_digest(model: Transformer) -> str:
     return digest.hexdigest()
 
 
+def program_path(weights: str, width: int, library: str) -> Path:
+    """Where the program for these weights (weights_digest), width class and products is kept."""
+    key = f"{code_digest()} | {weights} | {machine_key()} | threads {torch.get_num_threads()} | width {width} | products {library}"  # fmt: skip
+    return cache_dir() / "compiled" / f"step-{hashlib.blake2b(key.encode(), digest_size=16).hexdigest()}.pt2"
+
+
 class CompiledStep:
     """A model's compiled steps (`runtime.compiled_step`: None = kept ones only, True = compile a
     missing one, False = never): `take` says whether one runs a given step, `__call__` runs it.
-    decoder_layer: the fast decoder-layer class the traced model's layers get (FastDecoderLayer)."""
+    decoder_layer: the fast decoder-layer class the traced model's layers get (FastDecoderLayer).
+    The programs found are those of the weights the model had when they were found (`places`);
+    at each new decoding state `take` checks that the weights are still those (fresh)."""
 
     def __init__(self, setting: bool | None, decoder_layer: type):
         self.setting, self.decoder_layer = setting, decoder_layer
         self.programs: dict[int, object] = {}  # width class (1, or 2 for several rows per sentence) -> program
-        self.digest: str | None = None
+        self.digest: str | None = None  # of the weights the programs hold (weights_digest)
+        self.places: tuple | None = None  # where those weights were, and their versions (weights_places)
+        self.state = lambda: None  # the decoding state last checked (a weak reference)
         self.int8: dict = {}  # the model's int8 layers by name, which its programs call (int8_call.products_of)
 
     def __deepcopy__(self, memo) -> CompiledStep:
         """A copy of the model (to quantize it, say) finds programs of its own."""
         return CompiledStep(self.setting, self.decoder_layer)
+
+    def fresh(self, model: Transformer, state) -> None:
+        """Once per decoding state: where the model's step weights changed since its programs were
+        found, forget the programs unless the weights' digest is the same (a version bumped
+        without a change); the next step finds those of the new weights."""
+        if self.state() is state:
+            return
+        try:
+            self.state = weakref.ref(state)
+        except TypeError:  # a state that takes no weak reference is checked at every step
+            self.state = lambda: None
+        places = weights_places(model)
+        if places == self.places:
+            return
+        digest = weights_digest(model) if self.places is not None else None
+        if digest != self.digest and self.programs:
+            log.info("compiled decoding step: the model's weights changed since its programs were found; finding those of its new weights")  # fmt: skip
+            self.programs.clear()
+        self.places, self.digest = places, digest
 
     def take(self, model: Transformer, tgt: Tensor, state, need_weights: bool) -> bool:
         """Whether the step decoding `tgt` into `state` runs compiled: one new token per row, at
@@ -308,6 +350,7 @@ class CompiledStep:
         sentences = first.cross.k.size(0)
         if tgt.size(0) % sentences or tgt.size(0) > MAX_WIDTH * sentences:
             return False
+        self.fresh(model, state)
         return self.program(model, 1 if tgt.size(0) == sentences else 2) is not None
 
     def program(self, model: Transformer, width: int):
@@ -328,32 +371,48 @@ class CompiledStep:
             return None
         self.digest = self.digest or weights_digest(model)
         library, why = products()
-        key = hashlib.blake2b(f"{code_digest()} | {self.digest} | {machine_key()} | threads {torch.get_num_threads()} | width {width} | products {library}".encode(), digest_size=16)  # fmt: skip
-        path = cache_dir() / "compiled" / f"step-{key.hexdigest()}.pt2"
-        if not path.exists():
+        path = program_path(self.digest, width, library)
+        program = self.load(path, what) if path.exists() else None
+        if program is None:
             if self.setting is None:
                 log_once(f"compiled decoding step ({what}): none kept for this model and CPU, eager steps (runtime.compiled_step=true compiles one)")  # fmt: skip
                 return None
             if compiler() is None:
                 log_once(f"compiled decoding step ({what}): no C++ compiler ({os.environ.get('CXX') or 'g++'} not found), eager steps")  # fmt: skip
                 return None
-            log_once(f"compiled decoding step ({what}): compiling it once for this model and CPU into {path}")
-            start = time.perf_counter()
-            try:
-                compile_step(model, width, path, self.decoder_layer, library)
-            except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the eager step
-                log.warning("compiled decoding step (%s): compiling failed (%s: %s), eager steps", what, type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            with timings.locked(path):  # one process compiles it; another waits, then loads it
+                program = self.load(path, what, quiet=True) if path.exists() else None
+                if program is None and self.compile(model, width, path, what, library):
+                    program = self.load(path, what)
+            if program is None:
                 return None
-            log_once(f"compiled decoding step ({what}): compiled in {time.perf_counter() - start:.1f} s")
-        try:
-            program = load_program(path)
-        except Exception as e:  # noqa: BLE001 - an unreadable package leaves the eager step
-            log.warning("compiled decoding step (%s): %s could not be loaded (%s), eager steps", what, path, e)
-            return None
         log_once(f"compiled decoding step ({what}): steps after the first run {path}")
         where = "packed for oneDNN" if library == "onednn" else "on torch's BLAS"
         log_once(f"compiled decoding step: fp32 products {where} in the program ({why})")
         return program
+
+    def compile(self, model: Transformer, width: int, path: Path, what: str, library: str) -> bool:
+        """Compile the program for `width` into `path` (compile_step); False, logged, where it fails."""
+        log_once(f"compiled decoding step ({what}): compiling it once for this model and CPU into {path}")
+        start = time.perf_counter()
+        try:
+            compile_step(model, width, path, self.decoder_layer, library)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler leaves the eager step
+            log.warning("compiled decoding step (%s): compiling failed (%s: %s), eager steps", what, type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+            return False
+        log_once(f"compiled decoding step ({what}): compiled in {time.perf_counter() - start:.1f} s")
+        return True
+
+    def load(self, path: Path, what: str, quiet: bool = False):
+        """The program kept in `path`, or None with one warning line naming it where it cannot be
+        loaded (broken, or another torch's): compiled again with runtime.compiled_step=true."""
+        try:
+            return load_program(path)
+        except Exception as e:  # noqa: BLE001 - an unreadable package leaves the eager step or a new one
+            if not quiet:
+                then = "compiling it again" if self.setting and compiler() is not None else "eager steps"
+                log.warning("compiled decoding step (%s): %s could not be loaded (%s: %s), %s", what, path, type(e).__name__, str(e).splitlines()[0] if str(e) else "", then)  # fmt: skip
+            return None
 
     def __call__(self, model: Transformer, tgt: Tensor, src_mask: Tensor, state: DecoderState) -> Tensor:
         """Decode one token per row of `tgt` (rows, 1) into `state`: the decoder's normalized output (rows, 1, d_model)."""

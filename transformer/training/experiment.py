@@ -295,7 +295,7 @@ def run_in_world(
         f", {world.size} processes" if world.distributed else "",
     )
     resumed, tokenizer, train, valid = prepare_in_world(cfg, run_dir, world, tokenizer, record)
-    model = accelerate(build_model(cfg, tokenizer, device), cfg.runtime)  # the speed paths, before any weights load
+    model = accelerate(build_model(cfg, tokenizer, device), training_runtime(cfg.runtime))  # before any weights load
     if cfg.init_from and not resumed:  # a fine-tuning run's start; every rank reads the weights
         finetune.load_weights(model, finetune.load_init(cfg.init_from))
     finetune.freeze(model, cfg.trainer.freeze)
@@ -314,11 +314,23 @@ def run_in_world(
     return results
 
 
+def training_runtime(runtime):
+    """The speed paths of a model in training: runtime's, but its validations decode without a
+    compiled step. A compiled program holds the weights it was compiled with (fast/compiled.py),
+    and they change between validations: each would compile again, on the training budget. The
+    test splits, decoded after training, use runtime.compiled_step (evaluate_best)."""
+    if runtime.compiled_step:
+        log.info("runtime.compiled_step=true: validations decode with eager steps (the weights change between them); the test splits use the compiled step")  # fmt: skip
+    return dataclasses.replace(runtime, compiled_step=False)
+
+
 def evaluate_best(
     cfg, run_dir: Path, trainer: Trainer, model, tokenizer: Tokenizer, valid, device, tests: bool
 ) -> dict:
     """Rank 0's end of a run: the best checkpoint's test scores, results.json and the hparams."""
     best = checkpoint.load(run_dir / "checkpoint_best.pt", device)
+    if cfg.runtime.compiled_step:  # a model of its own, with the compiled step training went without
+        model = accelerate(build_model(cfg, tokenizer, device), cfg.runtime)
     model.load_state_dict(best["model"])
     summary = training_summary(trainer, best, run_dir)
     results = (
