@@ -2,12 +2,16 @@
 path against its reference, the decoding equalities, the kernels each CPU-dependent fast path
 runs) again with the libraries kept to lower instruction sets, as on CPUs other than this one,
 through their own switches (ISA_LIMITS in transformer/devices.py): oneDNN's ONEDNN_MAX_CPU_ISA,
-ATen's ATEN_CPU_CAPABILITY, MKL's MKL_ENABLE_INSTRUCTIONS and FBGEMM's FBGEMM_ENABLE_INSTRUCTIONS.
-A limit above what the CPU has changes nothing (the kernels listed show it). Each setting proves
-it took effect: tests/test_isa_limits.py checks ATen's capability, CTranslate2's ISA and FBGEMM's
-saturation against the limit, tests/test_kernels.py every oneDNN kernel's ISA, and a setting
-whose report lacks those lines fails. Prints each setting's result, time and kernels; exits 1 if
-any setting failed.
+ATen's ATEN_CPU_CAPABILITY, MKL's MKL_ENABLE_INSTRUCTIONS, FBGEMM's FBGEMM_ENABLE_INSTRUCTIONS and
+CTranslate2's CT2_FORCE_CPU_ISA. A limit above what the CPU has changes nothing (the kernels listed
+show it). Each setting must prove its limits took effect, library by library (PROOFS): what each one
+ran, as the library itself reports it, is at most the setting's limit (tests/test_kernels.py for
+oneDNN's kernels, tests/test_isa_limits.py for the others). The proofs compare with the setting's
+limits (ISA_MATRIX_SETTING names it to the tests' process), not with the variables they find, so a
+variable lost on the way fails its proof. A setting fails when a proof fails or its line is missing;
+a library that reports no instruction set here (MKL on a CPU not made by Intel) gets a line saying
+"not proven", printed as such, never counted as a proof. Prints each setting's result, time, proofs
+and kernels; exits 1 if any setting failed.
 
     python -m tests.isa_matrix                       # every setting
     python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
@@ -36,8 +40,24 @@ SETTINGS = {
 }
 
 
-# The lines a setting's report must hold to show that its limits took effect (tests/test_isa_limits.py).
-PROOFS = ("ATen: ", "CTranslate2: ", "FBGEMM: ")
+# The lines a setting's report must hold, one a library, each saying what the library ran and the limit
+# it was held to (tests/test_kernels.py, tests/test_isa_limits.py). A line holding NOT_PROVEN says
+# why the library's limit could not be shown on this CPU.
+PROOFS = ("oneDNN: ", "ATen: ", "MKL: ", "FBGEMM: ", "CTranslate2: ")
+NOT_PROVEN = "not proven"
+
+# The variable naming the setting to the tests' process (set by run_setting).
+SETTING_VARIABLE = "ISA_MATRIX_SETTING"
+
+
+def expected_limit(variable: str) -> str | None:
+    """The limit `variable` must hold this process to: the ISA matrix setting's, wherever
+    SETTING_VARIABLE names one (None if the setting leaves that library alone), else the
+    variable's own value (a limit set by hand or by the benchmarks' isa= option)."""
+    setting = os.environ.get(SETTING_VARIABLE)
+    if setting:
+        return ISA_LIMITS[setting].get(variable)
+    return os.environ.get(variable) or None
 
 
 def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> tuple[bool, float, list[str], str]:
@@ -49,7 +69,8 @@ def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> 
         marker = [] if everything else ["-m", "isa"]
         command = [sys.executable, "-m", "pytest", *marker, "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
         start = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **limits}, capture_output=True, text=True)
+        env = {**os.environ, **limits, SETTING_VARIABLE: name}
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.monotonic() - start
         kernels = []
         if report.exists():
@@ -59,7 +80,7 @@ def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> 
         print(done.stdout[-20000:], done.stderr[-5000:], sep="\n", file=sys.stderr)
     missing = [p.strip(": ") for p in PROOFS if not any(k.startswith(p) for k in kernels)]
     if missing and done.returncode == 0:
-        print(f"{name}: no proof that the limits took effect for {', '.join(missing)} (tests/test_isa_limits.py did not run?)", file=sys.stderr)  # fmt: skip
+        print(f"{name}: no proof that the limits took effect for {', '.join(missing)} (tests/test_kernels.py or tests/test_isa_limits.py did not run?)", file=sys.stderr)  # fmt: skip
     return done.returncode == 0 and not missing, seconds, sorted(kernels), output[-1] if output else ""
 
 
@@ -85,8 +106,9 @@ def main(argv: list[str]) -> int:
         tests = "every test" if everything else "the isa tests"
         print(f"== {name} ({what}), {tests}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
         print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")
-        for line in kernels:
-            print(f"   kernels: {line}")
+        for line in sorted(kernels, key=lambda k: not k.startswith(PROOFS)):  # the proofs first
+            proof = line.startswith(PROOFS)
+            print(f"   {('NOT PROVEN' if NOT_PROVEN in line else 'proof') if proof else 'kernels'}: {line}")
         sys.stdout.flush()
         if not passed:
             failed.append(name)

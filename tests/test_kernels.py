@@ -2,9 +2,9 @@
 instruction-set limit of `make test-isa` (tests/isa_matrix.py), never its reference
 implementations (`ref...`), which are correct but can be hundreds of times slower. The kernels
 are read from oneDNN's verbose output; each test records the ones it saw, and the run's summary
-lists them (tests/conftest.py), so a report from any CPU says which kernels ran."""
+lists them (tests/conftest.py), so a report from any CPU says which kernels ran. One test is the
+ISA matrix's proof for oneDNN: the instruction sets its kernels name are at most the limit."""
 
-import os
 import re
 
 import pytest
@@ -13,9 +13,19 @@ from torch import nn
 
 import transformer.fast.int8
 from transformer.devices import cpu_has_bf16_matmul
-from transformer.fast.int8 import Int8Linear, describe, exact_weight_levels, kernel_plan, quantize_int8
+from transformer.fast.int8 import (
+    NARROW_WEIGHTS,
+    Int8Linear,
+    describe,
+    exact_weight_levels,
+    kernel_available,
+    kernel_plan,
+    quantize_int8,
+)
 from transformer.fast.linear import AVAILABLE, FastLinear
 from transformer.runtime import RuntimeConfig
+
+from .isa_matrix import expected_limit
 
 pytestmark = [pytest.mark.isa, pytest.mark.skipif(not AVAILABLE, reason="oneDNN unavailable")]
 
@@ -42,28 +52,75 @@ ONEDNN_ISAS = ["sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core"
                "avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx", "avx512_core_amx_fp16"]  # fmt: skip
 
 
-def kernel_isa(kernel: str) -> str | None:
-    """The instruction set in a kernel's implementation name, or None for one that names none."""
+UNKNOWN = "unknown"  # a kernel whose name gives no instruction set (gemm:jit): it proves nothing
+
+
+def kernel_isa(kernel: str) -> str:
+    """The instruction set in a kernel's implementation name, or UNKNOWN for one that names none."""
     names = re.findall(r"(?:sse41|avx512_core(?:_amx_fp16|_amx|_fp16|_bf16|_vnni)?|avx2(?:_vnni_2|_vnni)?|avx)(?![a-z0-9_])", kernel)  # fmt: skip
-    return max(names, key=ONEDNN_ISAS.index) if names else None
+    return max(names, key=ONEDNN_ISAS.index) if names else UNKNOWN
+
+
+def beyond(kernels: list[str], limit: str) -> list[str]:
+    """The kernels that name an instruction set above `limit` (ONEDNN_MAX_CPU_ISA's spelling); an
+    unknown one is not among them, nor counted within the limit."""
+    return [k for k in kernels if kernel_isa(k) != UNKNOWN and ONEDNN_ISAS.index(kernel_isa(k)) > ONEDNN_ISAS.index(limit.lower())]  # fmt: skip
 
 
 def check(kernels: list[str], record_property, path: str) -> None:
-    """No reference kernel, and none beyond the instruction set ONEDNN_MAX_CPU_ISA allows: a limit
-    the library ignored fails here instead of passing on native kernels."""
-    record_property("kernels", f"{path}: {'; '.join(kernels) or 'none from oneDNN'}")
+    """No reference kernel, and none beyond the instruction set the ISA matrix's setting (or
+    ONEDNN_MAX_CPU_ISA) allows: a limit the library ignored fails here instead of passing on native
+    kernels."""
+    labelled = [k if kernel_isa(k) != UNKNOWN else f"{k} [ISA {UNKNOWN}]" for k in kernels]
+    record_property("kernels", f"{path}: {'; '.join(labelled) or 'none from oneDNN'}")
     assert not [k for k in kernels if " ref" in k], f"{path} ran oneDNN's reference kernel: {kernels}"
-    limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "").lower()
-    if limit in ONEDNN_ISAS:
-        beyond = [k for k in kernels if ONEDNN_ISAS.index(kernel_isa(k) or "sse41") > ONEDNN_ISAS.index(limit)]
-        assert not beyond, f"{path} ran kernels beyond ONEDNN_MAX_CPU_ISA={limit.upper()}: {beyond}"
+    limit = expected_limit("ONEDNN_MAX_CPU_ISA")
+    if limit:
+        assert not beyond(kernels, limit), f"{path} ran kernels beyond ONEDNN_MAX_CPU_ISA={limit}: {beyond(kernels, limit)}"  # fmt: skip
 
 
 def test_kernel_names_give_their_instruction_set():
     assert kernel_isa("matmul brg_matmul:avx512_core_vnni (u8 x s8)") == "avx512_core_vnni"
     assert kernel_isa("inner_product brg_matmul:avx2 (f32 x f32)") == "avx2"
     assert kernel_isa("inner_product brgemm:avx512_core_amx (bf16 x bf16)") == "avx512_core_amx"
-    assert kernel_isa("matmul gemm:jit (f32 x f32)") is None
+    assert kernel_isa("matmul gemm:jit (f32 x f32)") == UNKNOWN
+    assert kernel_isa("inner_product x64:gemm:jit (bf16 x bf16)") == UNKNOWN
+
+
+def test_an_unknown_kernel_is_neither_beyond_the_limit_nor_a_proof():
+    kernels = ["matmul gemm:jit (u8 x s8)", "inner_product brg_matmul:avx512_core (f32 x f32)"]
+    assert beyond(kernels, "AVX2") == kernels[1:]
+    assert beyond(kernels, "SSE41") == kernels[1:]  # gemm:jit is not taken for sse41
+    assert not beyond(kernels[:1], "SSE41")
+
+
+def test_onednn_runs_the_isa_it_is_limited_to(capfd, record_property):
+    """The ISA matrix's proof for oneDNN (the line "oneDNN: ..."): the products whose kernels
+    differ most between CPUs (fp32, u8 x s8 and bf16) run kernels naming no instruction set above
+    the setting's ONEDNN_MAX_CPU_ISA, and at least one names its set. Unknown kernels prove nothing,
+    so a run of only those fails. Without a limit it records what runs."""
+    torch.manual_seed(0)
+    layer, x = FastLinear(64, 96), torch.randn(12, 64)
+    layer.adopt(RuntimeConfig(onednn_linear=True))
+    int8 = Int8Linear(nn.Linear(64, 96), NARROW_WEIGHTS) if kernel_available("onednn") else None
+
+    def run() -> None:
+        with torch.no_grad():
+            layer(x)
+            if int8 is not None:
+                int8(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                layer(x)
+
+    kernels, limit = onednn_kernels(capfd, run), expected_limit("ONEDNN_MAX_CPU_ISA")
+    named = [k for k in kernels if kernel_isa(k) != UNKNOWN]
+    highest = max(map(kernel_isa, named), key=ONEDNN_ISAS.index, default=UNKNOWN)
+    unknown = [k for k in kernels if k not in named]
+    line = f"oneDNN: {highest}, the highest ISA its kernels name (ONEDNN_MAX_CPU_ISA={limit or 'unset'})"
+    record_property("kernels", line + (f"; ISA {UNKNOWN}: {'; '.join(unknown)}" if unknown else ""))
+    assert named, f"no oneDNN kernel named its instruction set, nothing shows ONEDNN_MAX_CPU_ISA={limit} took effect: {kernels}"  # fmt: skip
+    if limit:
+        assert not beyond(named, limit), f"ONEDNN_MAX_CPU_ISA={limit} took no effect: oneDNN ran {beyond(named, limit)}"  # fmt: skip
 
 
 def test_fp32_linear_layers_run_optimized_kernels(capfd, record_property):
