@@ -1,7 +1,8 @@
 """Distillation (distill.py, transformer/training/distill.py): the filter's rules; the translate
 stage writes what the teacher's translate.py writes; a pipeline killed in a stage and run again
-ends as an uninterrupted one; a stage holding other inputs is refused; a bad teacher and an
-empty filtered set stop with one error line and change nothing already saved."""
+ends as an uninterrupted one; a stage holding other inputs is refused, and a stage directory
+distill.py did not write is never deleted; a bad teacher and an empty filtered set stop with one
+error line and change nothing already saved."""
 
 import gzip
 import hashlib
@@ -18,8 +19,9 @@ import torch
 from transformer import checkpoint
 from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig
+from transformer.errors import ConfigError
 from transformer.training.config import DistillConfig
-from transformer.training.distill import differing, filter_pairs
+from transformer.training.distill import differing, filter_pairs, stage_of
 
 from .conftest import ROOT
 
@@ -171,6 +173,26 @@ def test_the_students_benchmark_times_both_against_the_teachers_rows(teacher, di
         assert r["sentences_per_s"] > 0
 
 
+# distill.py, killed (SIGKILL) in its translate stage once the chunk ending at source line
+# int(sys.argv[1]) is appended to the outputs, before its progress is saved: what the resumed run
+# must cut off. Run as `python -c KILLED_BEFORE_PROGRESS LINE distill.py-overrides...` in ROOT.
+KILLED_BEFORE_PROGRESS = """
+import importlib, json, os, runpy, signal, sys
+
+module = importlib.import_module("transformer.training.distill")
+write, line = module.atomic_write_text, int(sys.argv[1])
+
+def write_or_die(path, text):
+    if path.name == "progress.json" and json.loads(text)["lines"] == line:
+        os.kill(os.getpid(), signal.SIGKILL)
+    write(path, text)
+
+module.atomic_write_text = write_or_die
+sys.argv = ["distill.py", *sys.argv[2:]]
+runpy.run_path("distill.py", run_name="__main__")
+"""
+
+
 def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
@@ -182,19 +204,19 @@ def wait_for(path: Path, process: subprocess.Popen, seconds: float = 300) -> Non
 def test_a_pipeline_stopped_in_any_stage_resumes_to_the_uninterrupted_result(teacher, shared_corpus, tmp_path):
     whole = tmp_path / "whole"
     assert distill(teacher, shared_corpus, whole, "distill.chunk_lines=20").returncode == 0
-    # Killed outright while translating, then run again.
+    # Killed outright while translating, its second chunk appended but not its progress, then run again.
     killed = tmp_path / "killed"
     args = ["distill.py", f"teacher={teacher}", f"data.dir={shared_corpus}", f"hydra.run.dir={killed}", *STUDENT,
             "distill.max_length_ratio=100", "distill.chunk_lines=20"]  # fmt: skip
-    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    wait_for(killed / "translate" / "progress.json", process)
-    process.kill()
-    process.communicate()
-    assert not (killed / "translate" / "manifest.json").exists()  # it stopped within the stage
-    done = json.loads((killed / "translate" / "progress.json").read_text())["lines"]
+    died = run(["-c", KILLED_BEFORE_PROGRESS, "40", *args[1:]])
+    assert died.returncode == -signal.SIGKILL, died.stderr[-2000:]
+    assert json.loads((killed / "translate" / "progress.json").read_text())["lines"] == 20
+    assert len((killed / "translate" / "train.en").read_text().splitlines()) == 40  # the unsaved chunk's too
     again = run(args)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"going on from source line {done + 1} of 400" in again.stdout + again.stderr
+    assert "going on from source line 21 of 400" in again.stdout + again.stderr
+    translations = [(d / "translate" / "train.en").read_text().splitlines() for d in (whole, killed)]
+    assert translations[1] == translations[0]
     # Stopped by SIGTERM while the student trains, then run again.
     stopped = tmp_path / "stopped"
     args[3] = f"hydra.run.dir={stopped}"
@@ -230,6 +252,44 @@ def test_a_pipeline_stopped_in_any_stage_resumes_to_the_uninterrupted_result(tea
 
 
 # --- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("directory", ["translate", "corpus", "student"])
+def test_a_stage_directory_distill_py_did_not_write_stops_the_run_and_stays(teacher, shared_corpus, tmp_path, directory):  # fmt: skip
+    run_dir = tmp_path / "run"
+    (run_dir / directory).mkdir(parents=True)
+    (run_dir / directory / "notes.txt").write_text("mine\n")
+    for overwrite in ("false", "true"):  # distill.overwrite redoes distill.py's own stages only
+        before = files_of(run_dir)
+        result = distill(teacher, shared_corpus, run_dir, f"distill.overwrite={overwrite}")
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert len(errors) == 1, result.stderr[-2000:]
+        assert f"{run_dir / directory} was not written by distill.py" in errors[0] and "move it away" in errors[0]
+        assert files_of(run_dir) == before and (run_dir / directory / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_stage_deletes_only_what_holds_its_record(tmp_path):
+    """Unrecorded content is refused, with distill.overwrite too; a record's temporary file left by
+    a kill is the stage's own; the stage's own earlier outputs go on distill.overwrite."""
+    inputs = {"source": "a"}
+    for name, what in (("translate", "translate/train.en"), ("filter", "corpus/train.en"), ("train", "student/x.pt"), ("shortlist", "student/shortlist.tsv")):  # fmt: skip
+        run_dir = tmp_path / name
+        (run_dir / what).parent.mkdir(parents=True)
+        (run_dir / what).write_text("mine\n")
+        for overwrite in (False, True):
+            with pytest.raises(ConfigError, match="was not written by distill.py"):
+                stage_of(name, run_dir, inputs, overwrite).start()
+            assert (run_dir / what).read_text() == "mine\n"
+        (run_dir / what).unlink()
+        stage = stage_of(name, run_dir, inputs)
+        (stage.directory / f".{stage.inputs_path.name}.123-abcd.tmp").write_text("{")
+        assert stage.start() is False and stage.earlier() == inputs
+        (run_dir / what).write_text("its own\n")
+        with pytest.raises(ConfigError, match="holds the .* stage of other inputs"):
+            stage_of(name, run_dir, {"source": "b"}).start()
+        assert stage_of(name, run_dir, {"source": "b"}, overwrite=True).start() is False
+        assert not (run_dir / what).exists() and stage.earlier() == {"source": "b"}
 
 
 def another_vocabulary(teacher: Path, directory: Path, shared_corpus: Path) -> Path:

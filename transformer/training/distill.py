@@ -15,7 +15,8 @@ Each stage writes manifest.json when it completes: its inputs (digests of the fi
 settings it used), its outputs' digests and its wall time. A stage whose manifest matches its
 inputs and outputs is skipped, so running the same command again in the same run directory goes
 on from the stage a killed run reached; a stage that holds the output of other inputs is refused
-(distill.overwrite=true redoes it).
+(distill.overwrite=true redoes it). distill.py deletes only what it wrote: a stage directory holding
+anything but no record of its stage stops the run, distill.overwrite or not.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from .testing import report
 log = logging.getLogger(__name__)
 
 STAGES = ("translate", "filter", "train", "shortlist")
+DIRECTORIES = {"translate": "translate", "filter": "corpus", "train": "student", "shortlist": "student"}
 RESUME = "Resume with: python distill.py <same overrides> hydra.run.dir={}"
 
 
@@ -60,18 +62,25 @@ def digest(path: Path) -> str:
 
 
 class Stage:
-    """A stage's directory and its record: inputs.json while it runs, manifest.json once done."""
+    """A stage's directory and its record: inputs.json while it runs, manifest.json once done.
+    `owns` is what redoing the stage deletes: its directory, or the one file of a stage that
+    shares another's directory (the shortlist, in student/)."""
 
-    def __init__(self, directory: Path, name: str, inputs: dict, overwrite: bool):
+    def __init__(self, directory: Path, name: str, inputs: dict, overwrite: bool, owns: Path | None = None):
         self.directory, self.name, self.inputs, self.overwrite = directory, name, inputs, overwrite
         self.manifest_path = directory / "manifest.json"
         self.inputs_path = directory / "inputs.json"
+        self.owns = owns or directory
 
     def read(self, path: Path) -> dict | None:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
+
+    def earlier(self) -> dict | None:
+        """The inputs of this stage's record in its directory, None when it has none."""
+        return self.read(self.inputs_path) or (self.read(self.manifest_path) or {}).get("inputs")
 
     def complete(self) -> dict | None:
         """The manifest, when the stage ran to its end on these inputs and its outputs are as it left them."""
@@ -83,23 +92,48 @@ class Stage:
             return manifest
         return None
 
-    def start(self, clear) -> bool:
+    def refuse_foreign(self) -> None:
+        """Stops the run when what the stage would delete holds something but no record of this
+        stage: distill.py deletes only what it wrote. A record's temporary file, left by a kill
+        while the stage was writing its first record, is the stage's own."""
+        records = (f".{self.inputs_path.name}.", f".{self.manifest_path.name}.")
+        owns = self.owns
+        held = [owns] if owns.is_file() else list(owns.iterdir()) if owns.is_dir() else []
+        if self.earlier() is None and any(not (p.name.startswith(records) and p.name.endswith(".tmp")) for p in held):
+            holder = "it" if owns == self.directory else str(self.directory)
+            raise ConfigError(f"{owns} was not written by distill.py ({holder} has no record of its {self.name} stage, {self.manifest_path.name} or {self.inputs_path.name}), so it will not delete it: move it away or choose another hydra.run.dir")  # fmt: skip
+
+    def start(self) -> bool:
         """Prepare to run: True when a killed run of the same inputs left progress to go on from.
-        Refuses a directory holding this stage for other inputs, unless distill.overwrite, when
-        `clear()` empties it."""
-        earlier = self.read(self.inputs_path) or (self.read(self.manifest_path) or {}).get("inputs")
-        if earlier is None and not self.directory.exists():
-            self.directory.mkdir(parents=True)
+        Refuses what holds no record of this stage, and the stage of other inputs unless
+        distill.overwrite, when what it owns is deleted."""
+        earlier = self.earlier()
+        if earlier is None:
+            self.refuse_foreign()
         elif earlier != self.inputs:
-            if earlier is not None and not self.overwrite:
+            if not self.overwrite:
                 changed = differing(earlier, self.inputs)
                 raise ConfigError(f"{self.directory} holds the {self.name} stage of other inputs (they differ in {', '.join(changed)}); choose another hydra.run.dir, or set distill.overwrite=true to redo it")  # fmt: skip
-            clear()
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.clear()
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.manifest_path.unlink(missing_ok=True)
         resumed = earlier == self.inputs
         atomic_write_text(self.inputs_path, json.dumps(self.inputs, indent=1) + "\n")
         return resumed
+
+    def clear(self) -> None:
+        """Deletes what the stage owns but its record (start rewrites it), the records (.json) of
+        stages within it last: a run killed midway leaves nothing that looks unrecorded."""
+        if not self.owns.is_dir():
+            self.owns.unlink(missing_ok=True)
+            return
+        for path in sorted(self.owns.iterdir(), key=lambda p: p.suffix == ".json"):
+            if path in (self.manifest_path, self.inputs_path):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     def finish(self, outputs: list[Path], seconds: float, **facts) -> dict:
         manifest = {"stage": self.name, "inputs": self.inputs, "seconds": round(seconds, 1), **facts}
@@ -107,6 +141,17 @@ class Stage:
         atomic_write_text(self.manifest_path, json.dumps(manifest, indent=1) + "\n")
         self.inputs_path.unlink(missing_ok=True)
         return manifest
+
+
+def stage_of(name: str, run_dir: Path, inputs: dict | None = None, overwrite: bool = False) -> Stage:
+    """`name`'s Stage in run_dir: translate/, corpus/ (filter), student/ (train); the shortlist
+    shares student/ with train, its record in shortlist.json, and owns only its file."""
+    directory = run_dir / DIRECTORIES[name]
+    if name != "shortlist":
+        return Stage(directory, name, inputs or {}, overwrite)
+    stage = Stage(directory, name, inputs or {}, overwrite, owns=shortlist_path(directory / "checkpoint_best.pt"))
+    stage.manifest_path, stage.inputs_path = directory / "shortlist.json", directory / "shortlist.inputs.json"
+    return stage
 
 
 def differing(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -119,10 +164,6 @@ def differing(a: dict, b: dict, prefix: str = "") -> list[str]:
         elif x != y:
             out.append(f"{prefix}{key}")
     return out
-
-
-def emptied(directory: Path):
-    return lambda: shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- the teacher --------------------------------------------------------------------------------
@@ -157,7 +198,6 @@ def load_teacher(cfg) -> Translator:
 def translate_stage(cfg, teacher: Translator, run_dir: Path) -> dict:
     """The teacher's translations of the training sources, resumable chunk by chunk."""
     source = corpus_file(Path(cfg.data.dir), cfg.data.train_split, cfg.data.src_lang)
-    directory = run_dir / "translate"
     teachers = [cfg.teacher, *cfg.ensemble]
     inputs = {
         "teacher": {str(p): digest(Path(p)) for p in teachers},
@@ -165,12 +205,12 @@ def translate_stage(cfg, teacher: Translator, run_dir: Path) -> dict:
         "decode": to_plain(teacher.decode),
         "runtime": to_plain(cfg.runtime),
     }
-    stage = Stage(directory, "translate", inputs, cfg.distill.overwrite)
-    done = stage.complete()
+    stage = stage_of("translate", run_dir, inputs, cfg.distill.overwrite)
+    directory, done = stage.directory, stage.complete()
     if done:
         report(f"translate: done before ({done['lines']} sources, {directory})")
         return done
-    resumed = stage.start(emptied(directory))
+    resumed = stage.start()
     outputs = [directory / f"{cfg.data.train_split}.{cfg.data.tgt_lang}", directory / f"{cfg.data.train_split}.{cfg.data.tgt_lang}.scores"]  # fmt: skip
     progress = (stage.read(directory / "progress.json") or {}) if resumed else {}
     first, seconds = progress.get("lines", 0), progress.get("seconds", 0.0)
@@ -263,15 +303,15 @@ def filter_pairs(sources, references, translations, scores, tokenizer, cfg) -> t
 def filter_stage(cfg, teacher: Translator, run_dir: Path, translated: dict) -> dict:
     """The student's corpus: the filtered distilled pairs as data.train_split, and data.dir's
     validation and test splits."""
-    data, directory = cfg.data, run_dir / "corpus"
+    data = cfg.data
     src, tgt = data.src_lang, data.tgt_lang
     source = corpus_file(Path(data.dir), data.train_split, src)
     reference = corpus_file(Path(data.dir), data.train_split, tgt)
     copied = [corpus_file(Path(data.dir), split, lang) for split in (data.valid_split, *data.test_splits) for lang in (src, tgt) if has_corpus_file(Path(data.dir), split, lang)]  # fmt: skip
     settings = {k: v for k, v in to_plain(cfg.distill).items() if k in ("select", "max_length_ratio", "drop_worst", "references")}  # fmt: skip
     inputs = {"translations": translated["outputs"], "settings": settings, "files": {str(p): digest(p) for p in [source, reference, *copied]}}  # fmt: skip
-    stage = Stage(directory, "filter", inputs, cfg.distill.overwrite)
-    done = stage.complete()
+    stage = stage_of("filter", run_dir, inputs, cfg.distill.overwrite)
+    directory, done = stage.directory, stage.complete()
     if done:
         report(f"filter: done before ({done['counts']['kept']} distilled pairs, {directory})")
         return done
@@ -285,7 +325,7 @@ def filter_stage(cfg, teacher: Translator, run_dir: Path, translated: dict) -> d
     pairs, counts = filter_pairs(sources, references, translations, flat, teacher.tokenizer, cfg.distill)
     if counts["kept"] == 0:
         raise DataError(f"no distilled pair is left after filtering the {counts['translations']} translations ({counts['empty']} empty, {counts['copy']} copies, {counts['length']} over distill.max_length_ratio={cfg.distill.max_length_ratio}, {counts['score']} by distill.drop_worst={cfg.distill.drop_worst}); the teacher's translations stay in {out_dir}")  # fmt: skip
-    stage.start(emptied(directory))
+    stage.start()
     outputs = []
     for lang, side in ((src, 0), (tgt, 1)):
         path = directory / f"{data.train_split}.{lang}"
@@ -307,14 +347,13 @@ def train_stage(cfg, teacher: Translator, run_dir: Path, corpus: dict, student, 
     """The student (`student`: its training Config, data.dir the distilled corpus), trained by
     train.py's run: it resumes from its own checkpoint_last.pt and evaluates its best checkpoint
     on the test splits."""
-    directory = run_dir / "student"
     inputs = {"corpus": corpus["outputs"], "config": to_plain(student)}
-    stage = Stage(directory, "train", inputs, cfg.distill.overwrite)
-    done = stage.complete()
+    stage = stage_of("train", run_dir, inputs, cfg.distill.overwrite)
+    directory, done = stage.directory, stage.complete()
     if done:
         report(f"train: done before ({directory / 'checkpoint_best.pt'})")
         return done
-    resumed = stage.start(emptied(directory))
+    resumed = stage.start()
     if resumed and (directory / "checkpoint_last.pt").is_file():
         report(f"train: going on from {directory / 'checkpoint_last.pt'}")
     started = time.monotonic()
@@ -330,16 +369,13 @@ def shortlist_stage(cfg, teacher: Translator, run_dir: Path, corpus: dict) -> di
     """The student's shortlist, built from the distilled pairs (scripts/build_shortlist.py's defaults)."""
     if not cfg.distill.shortlist:
         return None
-    directory = run_dir / "student"
-    output = shortlist_path(directory / "checkpoint_best.pt")
     inputs = {"corpus": corpus["outputs"], "first": 100, "best": 50, "rounds": 5}
-    stage = Stage(directory, "shortlist", inputs, cfg.distill.overwrite)
-    stage.manifest_path, stage.inputs_path = directory / "shortlist.json", directory / "shortlist.inputs.json"
-    done = stage.complete()
+    stage = stage_of("shortlist", run_dir, inputs, cfg.distill.overwrite)
+    output, done = stage.owns, stage.complete()
     if done:
         report(f"shortlist: done before ({output})")
         return done
-    stage.start(lambda: output.unlink(missing_ok=True))
+    stage.start()
     started = time.monotonic()
     tokenizer, corpus_dir = teacher.tokenizer, run_dir / "corpus"
     sources = read_lines(corpus_dir / f"{cfg.data.train_split}.{cfg.data.src_lang}")
@@ -361,6 +397,8 @@ def distill(cfg, run_dir: Path, student, record: dict | None = None) -> dict:
     if cfg.trainer.threads:  # every stage's, not only training's
         torch.set_num_threads(cfg.trainer.threads)
     run_dir.mkdir(parents=True, exist_ok=True)
+    for name in STAGES if cfg.distill.shortlist else STAGES[:-1]:
+        stage_of(name, run_dir).refuse_foreign()  # before any work: it would stop there
     teacher = load_teacher(cfg)
     report(f"distilling {teacher.language_pair or 'the teacher'} from {', '.join([cfg.teacher, *cfg.ensemble])} into {run_dir}; if stopped, {RESUME.format(run_dir)}")  # fmt: skip
     translated = translate_stage(cfg, teacher, run_dir)
