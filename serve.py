@@ -19,7 +19,8 @@ Arguments (key=value and config groups, composed by Hydra from configs/ as for t
     access_log=false            uvicorn's line per request
     drain_seconds=30            after SIGTERM, how long the requests in flight may take before they are cut
 Endpoints: POST /v1/translate, POST /v1/align, GET /health, GET /metrics, GET / (docs/SERVING.md).
-SIGTERM or Ctrl-C: finish the requests in flight, then exit 0.
+SIGTERM or Ctrl-C: finish the requests in flight, then exit 0. If the decoding thread cannot go on
+(docs/SERVING.md), the requests get a 503, /health turns 503, and serve.py exits 1.
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def main(argv: list[str]) -> None:
     host, port = sock.getsockname()[:2]
     where = f"{translator.device}, runtime.precision={translator.precision}, scheduler={app.state.service.scheduler}"
     log.info("serving %s on http://%s:%d/ (%s)", translator.language_pair or "a model", host, port, where)
-    run(app, sock, cfg.access_log, cfg.drain_seconds)
+    stopped = run(app, sock, cfg.access_log, cfg.drain_seconds)
+    if stopped:
+        log.error("serve.py exits: %s", stopped)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ serve.py running in a subprocess on a free port, and the checkpoint loaded in th
 from __future__ import annotations
 
 import gzip
+import inspect
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,14 +62,57 @@ DUMPABLE = (
 )
 
 
+def break_the_decoding_thread() -> None:
+    """For Server(inject=...): serve.py's decoding thread breaks outside decoding itself where a
+    request with length_penalty 0.25 or 0.75 runs: the hook called after a continuous step
+    (on_step) or a batch (on_batch) raises. At 0.25 the thread recovers; at 0.75 it cannot: the
+    continuous engine is left holding a block, the batch scheduler's recovery raises."""
+    from transformer.serving.batcher import Batcher
+    from transformer.serving.continuous import ContinuousBatcher
+
+    def poisoned(batcher) -> set[float]:
+        """The poisoned length penalties among the requests of the step or batch that just ran."""
+        if isinstance(batcher, ContinuousBatcher):
+            settings = [sentence.settings for sentence in batcher.engine.running]
+        else:
+            settings = [job.settings for job in batcher.current]
+        return {s.length_penalty for s in settings} & {0.25, 0.75}
+
+    def breaking(batcher, hook):
+        def broken(sentences: int) -> None:
+            if 0.75 in poisoned(batcher) and isinstance(batcher, ContinuousBatcher):
+                batcher.engine.pool.allocate()  # a block nothing gives back
+            if poisoned(batcher):
+                raise RuntimeError(f"injected: the hook broke at length_penalty {min(poisoned(batcher))}")
+            hook(sentences)
+
+        return broken
+
+    def recover(self, error, recover=Batcher.recover) -> None:
+        if 0.75 in poisoned(self):
+            raise RuntimeError("injected: the recovery broke")
+        recover(self, error)
+
+    for cls, hook in ((ContinuousBatcher, "on_step"), (Batcher, "on_batch")):
+
+        def init(self, *args, init=cls.__init__, hook=hook, **kwargs) -> None:
+            init(self, *args, **kwargs)
+            setattr(self, hook, breaking(self, getattr(self, hook)))
+
+        cls.__init__ = init
+    Batcher.recover = recover
+
+
 class Server:
     """serve.py in a subprocess on a free port; `url` once it listens. The log lines of its stderr
-    are collected in `log` by a thread, so that a full pipe never stalls it."""
+    are collected in `log` by a thread, so that a full pipe never stalls it. `inject`, a function
+    that imports what it uses, runs in that process before serve.py (break_the_decoding_thread)."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, inject: Callable[[], None] | None = None):
         # serve.py as run from a shell, with Python's stack dump of every thread on SIGUSR1
         # (`dump_threads`: what a hung server was doing, for the report of the test that waited)
-        command = [sys.executable, "-c", DUMPABLE, "serve.py", "port=0", *args]
+        code = DUMPABLE if inject is None else f"{inspect.getsource(inject)}\n{inject.__name__}()\n{DUMPABLE}"
+        command = [sys.executable, "-c", code, "serve.py", "port=0", *args]
         environ = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=environ)
         self.log: list[str] = []

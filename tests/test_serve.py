@@ -1,7 +1,8 @@
 """serve.py over real HTTP on 127.0.0.1, with a small checkpoint built here: it translates as
 translate.py does, merges concurrent requests into batches and answers each in its order, refuses
 every kind of bad request with a 4xx JSON error and goes on serving, drains on SIGTERM and exits 0,
-and a bad config is one error line."""
+answers a 5xx when its decoding thread breaks (and exits 1 when it cannot go on), and a bad config
+is one error line."""
 
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from fastapi.testclient import TestClient
 from transformer.decoding import DecodeConfig, Hypothesis
 from transformer.serving import Batcher, ServeLimits, create_app
 
-from .servers import QUICK, Server, build_checkpoint, corpus_lines, loaded_translator, run_entry, translate_py, wait_for
+from .servers import (
+    QUICK,
+    Server,
+    break_the_decoding_thread,
+    build_checkpoint,
+    corpus_lines,
+    loaded_translator,
+    run_entry,
+    translate_py,
+    wait_for,
+)
 
 LIMITS = ["limits.max_lines=8", "limits.max_chars=200", "limits.max_wait_ms=50"]
 
@@ -241,6 +252,35 @@ def test_a_request_that_breaks_decoding_fails_alone_and_the_batch_around_it_is_a
     assert [[h[0].tokens for h in a.n_best] for a in (answers[0], answers[2])] == [[[1], [2]], [[3]]]
     assert isinstance(answers[1], RuntimeError)
     assert calls[0] == 4 and sorted(calls[1:]) == [1, 1, 2]  # one merged batch, then each request alone
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["batch", "continuous"])
+def test_a_failing_decoding_thread_answers_5xx_serves_on_and_exits_1_when_it_cannot(model_path, sentences, kind):
+    """serve.py whose decoding thread breaks outside decoding (tests/servers.py:
+    break_the_decoding_thread): the request it held gets a JSON 500 naming the error, the traceback
+    is logged once, and the server serves on with every block back; where the thread cannot
+    recover, the request gets a JSON 503 and serve.py exits 1 naming the error. (The thread ended:
+    every later request waited forever, and /health said ok.)"""
+    with Server(f"checkpoint={model_path}", *QUICK, f"scheduler={kind}", inject=break_the_decoding_thread) as server:
+        assert wait_for(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60)
+        expected = post(server, {"text": sentences[:3]}).json()["translations"]
+        failed = post(server, {"text": sentences[:3], "length_penalty": 0.25})
+        error = "decoding failed: RuntimeError: injected: the hook broke at length_penalty 0.25"
+        assert failed.status_code == 500 and failed.json() == {"error": error, "kind": "decoding_failed"}, failed.text
+        assert post(server, {"text": sentences[:3]}).json()["translations"] == expected
+        health = httpx.get(server.url + "/health").json()
+        assert health["status"] == "ok"
+        if kind == "continuous":
+            assert health["pool"]["free"] == health["pool"]["blocks"]
+        assert wait_for(lambda: any("the requests in flight get a 500" in line for line in server.log))
+        assert sum(line.startswith("Traceback") for line in server.log) == 1
+
+        stopped = post(server, {"text": sentences[:1], "length_penalty": 0.75})
+        assert stopped.status_code == 503 and stopped.json()["kind"] == "decoder_stopped", stopped.text
+        assert stopped.json()["error"].startswith("the decoding thread stopped: RuntimeError: ")
+        assert server.process.wait(60) == 1
+    assert server.log[-1].strip().endswith(stopped.json()["error"])
 
 
 def send_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:

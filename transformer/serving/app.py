@@ -1,6 +1,7 @@
 """The FastAPI app: POST /v1/translate and /v1/align, GET /health and /metrics, and the web page at
 / (static/). Refused requests get {"error": message, "kind": kind} with a 4xx status, are logged
-once and counted; the server keeps serving."""
+once and counted; the server keeps serving. Requests the decoding thread failed get the same with
+a 500 (503 once it has stopped, when /health turns 503 too)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from starlette.exceptions import HTTPException
 from ..decoding.config import SchedulerConfig
 from ..errors import ConfigError
 from ..translator import Translator
-from .batcher import Answer, Batcher, QueueFull
+from .batcher import Answer, Batcher, DecodingFailed, QueueFull
 from .config import ServeLimits
 from .continuous import ContinuousBatcher
 from .metrics import Metrics
@@ -67,6 +68,11 @@ class Service:
         self.translator, self.limits, self.metrics = translator, limits, Metrics()
         self.scheduler, self.batcher, self.fallback = scheduler(translator, limits, schedule, self.metrics)
         self.model_loaded, self.model_error = False, None
+
+    @property
+    def stopped(self) -> str | None:
+        """Why the decoding thread stopped for good (nothing can be decoded any more), or None."""
+        return self.batcher.stopped
 
     async def check_model(self) -> None:
         """Decode one sentence through the scheduler that serves, as a request is decoded (the
@@ -153,10 +159,12 @@ class Service:
             raise RequestError(422, "target_lang", str(e).replace("tgt_lang=", "target_lang=")) from None
 
     async def health(self) -> JSONResponse:
-        """Readiness: 200 once the model has decoded a sentence; 503 before ("loading") and when it
-        could not ("error", with the error)."""
+        """Readiness: 200 once the model has decoded a sentence; 503 before ("loading"), when it
+        could not and once the decoding thread has stopped ("error", with the error)."""
         t = self.translator
-        status = "ok" if self.model_loaded else "error" if self.model_error else "loading"
+        error = self.stopped or self.model_error
+        ready = self.model_loaded and not error
+        status = "ok" if ready else "error" if error else "loading"
         body = {
             "status": status,
             "model_loaded": self.model_loaded,
@@ -174,10 +182,10 @@ class Service:
         if isinstance(self.batcher, ContinuousBatcher):
             engine = self.batcher.engine
             pool = engine.pool
-            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "most_used": pool.most_used, "preemptions": engine.preemptions}  # fmt: skip
-        if self.model_error:
-            body["error"] = self.model_error
-        return JSONResponse(body, 200 if self.model_loaded else 503)
+            body["pool"] = {"blocks": pool.n_blocks, "block_size": pool.block_size, "free": len(pool.free), "most_used": pool.most_used, "preemptions": engine.preemptions, "steps": engine.steps}  # fmt: skip
+        if error:
+            body["error"] = error
+        return JSONResponse(body, 200 if ready else 503)
 
     async def prometheus(self) -> Response:
         self.metrics.queue.set(len(self.batcher))
@@ -268,3 +276,7 @@ def add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         return refuse(request, e.status_code, "http", str(e.detail))
+
+    @app.exception_handler(DecodingFailed)  # the decoding thread logged the traceback, once for all
+    async def decoding_failed(request: Request, e: DecodingFailed) -> JSONResponse:
+        return refuse(request, e.status, e.kind, str(e))

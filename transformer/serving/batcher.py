@@ -2,13 +2,15 @@
 every waiting request with the same decode settings (up to max_batch_tokens source tokens, after
 waiting at most max_wait for more to arrive), decodes them as one batch off the event loop, and
 answers each request's future with its own sentences. A batch that fails is retried request by
-request, so one bad request fails alone. The thread itself (`DecodingThread`: its lock, closing
-and the other torch work queued for it) is the continuous scheduler's too (continuous.py)."""
+request, so one bad request fails alone. The thread itself (`DecodingThread`: its lock, closing,
+the other torch work queued for it and what happens when it fails) is the continuous scheduler's
+too (continuous.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 from collections import deque
@@ -17,9 +19,24 @@ from dataclasses import dataclass, field
 
 from ..decoding import DecodeConfig, Hypothesis
 
+log = logging.getLogger("serve")
+
 
 class QueueFull(Exception):
     """The queue holds max_queue requests already."""
+
+
+class DecodingFailed(Exception):
+    """The decoding thread failed while it held the request; the thread logged the traceback once,
+    and the app answers `status` with the message."""
+
+    status, kind = 500, "decoding_failed"
+
+
+class DecoderStopped(DecodingFailed):
+    """The decoding thread has stopped for good: no request can be decoded any more."""
+
+    status, kind = 503, "decoder_stopped"
 
 
 @dataclass
@@ -56,17 +73,56 @@ Decode = Callable[[list[list[int]], DecodeConfig], list[list[Hypothesis]]]
 
 class DecodingThread:
     """The one thread that runs a server's torch work (why one: `run_calls`), with the lock and the
-    closing flag its queues share and the calls queued for it; `run` is the subclass's loop."""
+    closing flag its queues share and the calls queued for it. The subclass's `turn` waits for work
+    and does it; an exception there cannot end the thread silently: the requests the turn held are
+    answered with DecodingFailed (`recover`) and the thread goes on, and where that recovery itself
+    fails the thread stops for good (`stop`): every request gets DecoderStopped, and `stopped`
+    names the error (/health turns 503, serve.py exits 1)."""
 
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
         self.calls: deque[tuple[Callable, asyncio.Future]] = deque()
         self.changed = threading.Condition()
         self.closing = False
+        self.stopped: str | None = None  # why the thread stopped for good
         self.thread = threading.Thread(target=self.run, name="decoder", daemon=True)
 
-    def run(self) -> None:
+    def turn(self) -> bool:
+        """Wait for work and do it; False once closing with nothing left."""
         raise NotImplementedError
+
+    def recover(self, error: DecodingFailed) -> None:
+        """Answer the requests the failed turn held with `error`; raise when the thread cannot go on."""
+        raise NotImplementedError
+
+    def held(self) -> list[asyncio.Future]:
+        """The futures of every request taken from the queues and not answered yet."""
+        raise NotImplementedError
+
+    def run(self) -> None:
+        try:
+            while self.turn_safely():
+                pass
+        except BaseException as e:  # the recovery failed: nothing is left to go on with
+            self.stop(e)
+
+    def turn_safely(self) -> bool:
+        try:
+            return self.turn()
+        except Exception as e:
+            self.recover(DecodingFailed(f"decoding failed: {type(e).__name__}: {e}"))
+            log.error("decoding failed; the requests in flight get a 500 and the server serves on", exc_info=e)
+            return True
+
+    def stop(self, error: BaseException) -> None:
+        """Stop for good: answer every request, held or queued, and every call with DecoderStopped."""
+        stopped = f"the decoding thread stopped: {type(error).__name__}: {error}"
+        log.critical("%s; every request gets a 503 and the server exits", stopped, exc_info=error)
+        with self.changed:
+            self.stopped = stopped
+            futures = self.held() + [future for _, future in take_all(self.calls)]
+        for future in futures:
+            resolve(future, error=DecoderStopped(stopped))
 
     def start(self) -> None:
         self.thread.start()
@@ -83,15 +139,20 @@ class DecodingThread:
         """fn(*args) on the decoding thread, between batches or steps."""
         future = asyncio.get_running_loop().create_future()
         with self.changed:
+            if self.stopped:
+                raise DecoderStopped(self.stopped)
             self.calls.append((lambda: fn(*args), future))
             self.changed.notify()
         return await future
 
     async def enqueue(self, queue, item, future: asyncio.Future):
         """Put a request on one of the thread's queues and wait for its answer; QueueFull when
-        max_queue requests wait (len(self)) or the server is shutting down. The caller reads
-        `queue` before the lock is taken, so the thread empties its queues and never replaces them."""
+        max_queue requests wait (len(self)) or the server is shutting down, DecoderStopped once the
+        thread has stopped. The caller reads `queue` before the lock is taken, so the thread
+        empties its queues and never replaces them."""
         with self.changed:
+            if self.stopped:
+                raise DecoderStopped(self.stopped)
             if self.closing:
                 raise QueueFull("the server is shutting down")
             if len(self) >= self.max_queue:
@@ -108,6 +169,7 @@ class Batcher(DecodingThread):
         self.decode, self.max_batch_tokens, self.max_wait_s = decode, max_batch_tokens, max_wait_s
         self.on_batch = on_batch or (lambda sentences: None)
         self.pending: deque[Job] = deque()
+        self.current: list[Job] = []  # the batch being decoded
         super().__init__(max_queue)
 
     def __len__(self) -> int:
@@ -118,18 +180,27 @@ class Batcher(DecodingThread):
         job = Job(sources, settings, asyncio.get_running_loop().create_future())
         return await self.enqueue(self.pending, job, job.future)
 
-    def run(self) -> None:
-        while True:
-            with self.changed:
-                while not self.pending and not self.calls and not self.closing:
-                    self.changed.wait()
-                if not self.pending and not self.calls:
-                    return
-                calls = take_all(self.calls)
-                jobs = self.next_batch() if self.pending else []
-            run_calls(calls)
-            if jobs:
-                self.answer(jobs)
+    def turn(self) -> bool:
+        with self.changed:
+            while not self.pending and not self.calls and not self.closing:
+                self.changed.wait()
+            if not self.pending and not self.calls:
+                return False
+            calls = take_all(self.calls)
+            self.current = self.next_batch() if self.pending else []
+        run_calls(calls)
+        if self.current:
+            self.answer(self.current)
+        self.current = []
+        return True
+
+    def recover(self, error: DecodingFailed) -> None:
+        for job in self.current:
+            resolve(job.future, error=error)
+        self.current = []
+
+    def held(self) -> list[asyncio.Future]:
+        return [job.future for job in self.current + take_all(self.pending)]
 
     def next_batch(self) -> list[Job]:
         """The oldest job and those queued with its settings, once their tokens fill a batch or the

@@ -2,7 +2,9 @@
 step-level engine (decoding/engine.py) that a worker thread runs off the event loop. A request's sentences
 join the running batch at the next step, each leaves as soon as it ends, and the request is
 answered when its last one has. The request-level Batcher (batcher.py) offers the same methods,
-so the app takes either."""
+so the app takes either. A failure in the thread (batcher.py: DecodingThread) answers every request
+in the engine with a 500, the engine drops their sentences and the thread serves on, unless that
+leaves the engine holding sentences or blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from ..decoding import DecodeConfig, Hypothesis
 from ..decoding.engine import AdmissionFailed, Engine, Sentence
 from ..decoding.strategies import empty_n_best
-from .batcher import Answer, DecodingThread, Job, resolve, run_calls, take_all
+from .batcher import Answer, DecodingFailed, DecodingThread, Job, resolve, run_calls, take_all
 
 
 @dataclass
@@ -43,6 +45,7 @@ class ContinuousBatcher(DecodingThread):
         self.on_step: Callable[[int], None] = on_step or (lambda sentences: None)
         self.on_done: Callable[[int], None] = on_done or (lambda sentences: None)
         self.incoming: list[Request] = []
+        self.open: dict[int, Request] = {}  # taken from `incoming` and not answered yet, by id
         super().__init__(max_queue)
 
     def __len__(self) -> int:
@@ -54,33 +57,49 @@ class ContinuousBatcher(DecodingThread):
         request = Request(sources, settings, asyncio.get_running_loop().create_future())
         return await self.enqueue(self.incoming, request, request.future)
 
-    def run(self) -> None:
-        while True:
-            with self.changed:
-                while not self.incoming and not self.calls and not self.engine.busy and not self.closing:
-                    self.changed.wait()
-                if not self.incoming and not self.calls and not self.engine.busy:
-                    return
-                # Emptied in place, never replaced: a request appends to the list it read before
-                # taking the lock (enqueue), which must still be the one this thread reads next.
-                incoming = take_all(self.incoming)
-                calls = take_all(self.calls)
-            run_calls(calls)
-            if not incoming and not self.engine.busy:
-                continue
-            for request in incoming:
-                self.hand_over(request)
-            try:
-                running = self.engine.step(self.join_tokens)
-            except AdmissionFailed as e:  # the joining sentences fail; the batch runs on
-                self.fail({id(s.request): s.request for s in e.sentences}.values(), e.error)
-                continue
-            except Exception as e:  # a bug of ours: every sentence in the batch fails with it
-                self.fail_all(e)
-                continue
-            if running:
-                self.on_step(running)
-                self.note_batch(running)
+    def turn(self) -> bool:
+        with self.changed:
+            while not self.incoming and not self.calls and not self.engine.busy and not self.closing:
+                self.changed.wait()
+            if not self.incoming and not self.calls and not self.engine.busy:
+                return False
+            # Emptied in place, never replaced: a request appends to the list it read before
+            # taking the lock (enqueue), which must still be the one this thread reads next.
+            incoming = take_all(self.incoming)
+            calls = take_all(self.calls)
+            self.open.update((id(request), request) for request in incoming)
+        run_calls(calls)
+        if not incoming and not self.engine.busy:
+            return True
+        for request in incoming:
+            self.hand_over(request)
+        try:
+            running = self.engine.step(self.join_tokens)
+        except AdmissionFailed as e:  # the joining sentences fail; the batch runs on
+            self.fail({id(s.request): s.request for s in e.sentences}.values(), e.error)
+            return True
+        if running:
+            self.on_step(running)
+            self.note_batch(running)
+        return True
+
+    def recover(self, error: DecodingFailed) -> None:
+        """Every request taken fails with `error`: the engine drops their sentences (as it drops a
+        client's that went away), then they are answered. Raises, answering none, when the engine
+        still holds sentences or blocks."""
+        requests = list(self.open.values())
+        for request in requests:
+            request.failed = True
+        self.engine.drop_cancelled()
+        engine, pool = self.engine, self.engine.pool
+        in_use = max(pool.n_blocks - len(pool.free), sum(1 for refs in pool.refs if refs))
+        if engine.busy or in_use:
+            sentences = len(engine.running) + len(engine.waiting)
+            raise RuntimeError(f"{error}, and the engine still holds {sentences} sentences and {in_use} of its {pool.n_blocks} blocks")  # fmt: skip
+        self.fail(requests, error)
+
+    def held(self) -> list[asyncio.Future]:
+        return [request.future for request in list(self.open.values()) + take_all(self.incoming)]
 
     def note_batch(self, running: int) -> None:
         """When each running request started, and the largest batch it ran in."""
@@ -120,21 +139,16 @@ class ContinuousBatcher(DecodingThread):
         request.left -= 1
         if request.left:
             return
-        self.on_done(len(request.sources))
         queue_ms = (request.started_at - request.queued_at) * 1000
         decode_ms = (now - request.started_at) * 1000
         answer = Answer(request.n_best, queue_ms, decode_ms, request.batch_sentences, request.batch_requests)
         resolve(request.future, answer)
+        self.open.pop(id(request), None)  # answered: a failure from here on is not its own
+        self.on_done(len(request.sources))
 
     def fail(self, requests, error: Exception) -> None:
         """Answer requests with an error; their sentences still in the engine leave at the next step."""
         for request in requests:
             request.failed = True
+            self.open.pop(id(request), None)
             resolve(request.future, error=error)
-
-    def fail_all(self, error: Exception) -> None:
-        for sentence in list(self.engine.running) + list(self.engine.waiting):
-            if sentence in self.engine.running:
-                self.engine.leave(sentence)
-            resolve(sentence.request.future, error=error)
-        self.engine.running, self.engine.waiting = [], []
