@@ -9,7 +9,8 @@
 
 The implementations and presets are built in training_peers.py. Presets: small (3+3 layers,
 d_model 256), base (6+6, 512), and small_modern, the default recipe's model (small with
-model/small_modern's block: measured for ours only, the peers lack that block).
+model/small_modern's block: measured for ours only, the peers lack that block), and tiny (1+1,
+d_model 64: quick, for the tests).
 At equal model size (vocabulary 8000, shared embeddings) and on the same real Multi30k batches
 (grouped by token count), each implementation runs forward + backward + Adam step:
   ours          transformer.model.Transformer

@@ -14,14 +14,14 @@ from .conftest import ROOT
 def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_rounds(tmp_path):
     out = tmp_path / "bench.json"
     args = [
-        "presets=[small]",
+        "presets=[tiny]",  # the test checks what is measured and reported, not the speed
         "implementations=[ours,ours-blas,ours-logits,ours-foreach,ours-spin-default,torch]",
         "precisions=[fp32]",
         "threads=1",
         "steps=1",
         "rounds=2",
         "busy=1",
-        "max_tokens=512",  # small batches: the test checks what is measured and reported, not the speed
+        "max_tokens=512",  # small batches, as the tiny model
         f"output={out}",
     ]
     result = subprocess.run(
@@ -39,7 +39,7 @@ def test_training_benchmark_measures_ours_and_torch_on_the_same_batches_in_round
     assert all(len(r["tokens_per_s_runs"]) == 2 for r in rows.values())  # one measurement per round
     assert report["matmul_peak_gflops"]["fp32"] > 0 and "cpu_features" in report["hardware"]
     assert report["hardware"]["threads"] == 1 and report["hardware"]["busy_processes"] == 1
-    assert "small fp32: ours over ours-spin-default" in result.stdout
+    assert "tiny fp32: ours over ours-spin-default" in result.stdout
 
 
 def test_only_ours_runs_with_the_packages_openmp_spin(monkeypatch):

@@ -23,9 +23,10 @@ from transformer.training.members import candidates, member_configs
 from . import forked
 from .conftest import ROOT
 
+# No attention images: drawing them took most of each validation, and no test here looks at them.
 TRAIN = ["experiment=smoke", "data.max_tokens=600", "trainer.precision=fp32", "trainer.threads=2",
          "trainer.members=2", "trainer.eval_every=5", "trainer.max_steps=10", "trainer.average_last=2",
-         "decode.beam_size=2"]  # fmt: skip
+         "decode.beam_size=2", "trainer.attention_images=false"]  # fmt: skip
 
 
 def command(run_dir, corpus, *extra):

@@ -52,8 +52,9 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def train(run_dir: Path, corpus: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A smoke run without attention images, which took most of each validation and no test here reads."""
     return run("train.py", "experiment=smoke", f"hydra.run.dir={run_dir}", f"data.dir={corpus}", "data.vocab_size=400",
-               "data.test_splits=[test_2016_flickr,test_2017_flickr]", *overrides)  # fmt: skip
+               "data.test_splits=[test_2016_flickr,test_2017_flickr]", "trainer.attention_images=false", *overrides)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
