@@ -62,7 +62,9 @@ def test_every_command_decodes_with_every_precision(name, precision, model_path,
         command(name).main([*args, f"src={src}", f"ref={ref}", f"output={out}"])
     else:
         serve, apps = command(name), []
-        monkeypatch.setattr(serve, "run", lambda app, sock, *rest: (apps.append(app), sock.close()))
+        monkeypatch.setattr(
+            serve, "run", lambda app, sock, *rest: apps.append(app) or sock.close()
+        )  # ran and stopped well
         serve.main([*args, "port=0"])
         with TestClient(apps[0]) as client:  # the app's start-up decode runs first
             response = client.post("/v1/translate", json={"text": src.read_text().splitlines()})

@@ -272,7 +272,16 @@ def weights_places(model: Transformer) -> tuple:
     """Where each weight a step reads lives and how often it was written in place: its name, the
     address of its data, its version counter and shape. Any change of the weights (an optimizer
     step, load_state_dict, a parameter replaced) changes it."""
-    return tuple((k, t.data_ptr(), t._version, tuple(t.shape)) for k, t in step_weights(model).items())
+    return tuple((k, place(t), t._version, tuple(t.shape)) for k, t in step_weights(model).items())
+
+
+def place(t: Tensor) -> int:
+    """The address of `t`'s data, or for a tensor without storage (a weight packed into an opaque
+    tensor) the tensor object's identity."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return id(t)
 
 
 def weights_digest(model: Transformer) -> str:
@@ -283,8 +292,11 @@ def weights_digest(model: Transformer) -> str:
     for name, layer in int8_layers(model.decoder_layers, "decoder_layers").items():
         digest.update(f"int8 {name} {layer.kernel}".encode())
     for name, t in step_weights(model).items():
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        digest.update(f"{name} {tuple(t.shape)} {t.dtype} {zlib.crc32(data)}".encode())
+        try:
+            crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        except (RuntimeError, TypeError):  # no storage to read: the tensor object stands for its data
+            crc = f"object {id(t)}"
+        digest.update(f"{name} {tuple(t.shape)} {t.dtype} {crc}".encode())
     return digest.hexdigest()
 
 
