@@ -2,15 +2,19 @@
 process accumulating their two batches, and end with identical weights."""
 
 import json
+import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing
 
 from transformer import checkpoint
 from transformer.data.batching import Batch
 from transformer.monitoring import Throughput
+from transformer.training import distributed
 
 from .test_cli import run
 
@@ -66,6 +70,33 @@ def test_two_processes_equal_one_process_accumulating_their_batches(shared_corpu
     b = checkpoint.load(ddp_dir / "checkpoint_last.pt")["model"]
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5)
+
+
+def native_threads() -> list[str]:
+    """The names of this process's threads (gloo's: gloo_tcp_loop, pt_gloo_runloop)."""
+    return sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task"))
+
+
+def leave_after_data_parallel(rank: int, port: int) -> None:
+    """One rank of a fresh 2-process world: wrap a model for data parallelism, drop it, leave."""
+    from .conftest import make_model
+
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    os.environ.update(env)
+    world = distributed.start(torch.device("cpu"))
+    distributed.data_parallel(make_model(), torch.device("cpu"))  # imports torch._dynamo, as training does
+    distributed.stop(world)
+    left = [name for name in native_threads() if "gloo" in name]
+    assert not left, f"rank {rank} left the process group, but its gloo threads still run: {left}"
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc")
+def test_leaving_the_process_group_ends_its_threads():
+    """stop() destroys the gloo group then and there, joining its threads; a group still held
+    when the interpreter ends is torn down during its finalization, where a rank can abort
+    (docs/lab/2026-12-07-distributed-abort-cause.md)."""
+    torch.multiprocessing.spawn(leave_after_data_parallel, args=(free_port(),), nprocs=2)
 
 
 def test_padding_fraction_counts_this_rank_only_while_tokens_count_every_rank():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -114,6 +115,12 @@ def start(device: torch.device) -> World:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(world.local_rank)
+        # Before the group exists: torch.distributed.nn.functional binds `group=group.WORLD` as
+        # its functions' default when first imported (DistributedDataParallel imports it through
+        # torch._dynamo). Imported later, it would hold our group past destroy_process_group, and
+        # the gloo threads would be torn down at interpreter exit instead of in stop().
+        importlib.import_module("torch.distributed.nn.functional")
+
         # Validation and test decoding run on rank 0 while the others wait: allow them time.
         dist.init_process_group(backend, timeout=datetime.timedelta(hours=2))
     return world
@@ -121,7 +128,8 @@ def start(device: torch.device) -> World:
 
 def stop(world: World) -> None:
     """Leave the process group. Objects still holding it (the DDP wrapper of a finished run) go
-    first, so that its gloo threads are joined here and not at interpreter exit."""
+    first, so that destroying it joins its gloo threads here and not at interpreter exit
+    (docs/lab/2026-12-07-distributed-abort-cause.md)."""
     if world.distributed and dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()
