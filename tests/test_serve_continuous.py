@@ -159,7 +159,7 @@ def tokens(answer) -> list[list[list[int]]]:
     return [[h.tokens for h in n_best] for n_best in answer.n_best]
 
 
-async def async_wait_for(predicate, timeout: float = 10) -> bool:
+async def async_wait_for(predicate, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -287,7 +287,7 @@ def test_a_failure_in_the_decoding_thread_answers_its_requests_with_a_500_and_it
         async with served(app) as client:
             batcher = app.state.service.batcher
             held = threading.Event()  # the thread waits in a call until both requests are queued
-            gate = asyncio.ensure_future(batcher.call(held.wait, 30))
+            gate = asyncio.ensure_future(batcher.call(held.wait, 120))
             assert await async_wait_for(lambda: not batcher.calls)
             break_once(where, batcher, monkeypatch)
             sent = [asyncio.ensure_future(client.post("/v1/translate", json={"text": t})) for t in (texts[:2], texts[2:])]  # fmt: skip
