@@ -40,8 +40,10 @@ WARM = ["torch", "torch._dynamo", "hydra", "omegaconf", "datasets", "sacrebleu",
 # --- The server: `python tests/forked.py`, one JSON request per line on stdin, one reply per line ---
 
 
-def child(argv: list[str], stdin: str, out: str, err: str) -> None:
-    """In the forked child: fds 0-2 onto the files, run the script as __main__, exit as python would."""
+def child(argv: list[str], stdin: str, out: str, err: str, env: dict[str, str]) -> None:
+    """In the forked child: `env` into os.environ, fds 0-2 onto the files, run the script as
+    __main__, exit as python would."""
+    os.environ.update(env)
     for fd, path, flags in ((0, stdin, os.O_RDONLY), (1, out, os.O_WRONLY), (2, err, os.O_WRONLY)):
         os.dup2(os.open(path, flags), fd)
     encoding = sys.stdout.encoding
@@ -112,7 +114,7 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             reply.close()
-            child(request["argv"], stdin, out, err)
+            child(request["argv"], stdin, out, err, request["env"])
         status, timed_out = wait(pid, request["timeout"])
         texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in (out, err)]
         shutil.rmtree(tmp)
@@ -144,14 +146,18 @@ def _stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def run(argv: list[str], stdin: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(argv: list[str], stdin: str | None = None, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
     """`python *argv` run from the repository root, forked from the warm server; argv[0] is the
-    script, relative to the root, or "-m" before a module. Returns what subprocess.run(..., capture_output=True, text=True) would."""
+    script, relative to the root, or "-m" before a module. `env`: variables set for the command
+    only, over the server's environment (the test process's when the server started); a variable
+    read when torch or another warm module is imported (ATEN_CPU_CAPABILITY, OMP_NUM_THREADS) has
+    been read already. Returns what subprocess.run(..., capture_output=True, text=True) would."""
     global _server
     with _lock:
         if _server is None or _server.poll() is not None:
             _server = _start()
-        _server.stdin.write(json.dumps({"argv": [str(a) for a in argv], "stdin": stdin, "timeout": timeout}) + "\n")
+        request = {"argv": [str(a) for a in argv], "stdin": stdin, "timeout": timeout, "env": env or {}}
+        _server.stdin.write(json.dumps(request) + "\n")
         _server.stdin.flush()
         reply = json.loads(_server.stdout.readline())
     if reply["timed_out"]:

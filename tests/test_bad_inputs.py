@@ -9,7 +9,6 @@ import io
 import logging
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from transformer import checkpoint
 
+from . import forked
 from .conftest import ROOT
 
 pytestmark = pytest.mark.e2e  # every test reads the checkpoints of a train.py run
@@ -42,8 +42,9 @@ def trained(tmp_path_factory, shared_corpus) -> Path:
     """A tiny de->en run: checkpoint_best.pt and one numbered checkpoint."""
     run_dir = tmp_path_factory.mktemp("bad_inputs") / "run"
     args = ["train.py", "experiment=smoke", f"hydra.run.dir={run_dir}", f"data.dir={shared_corpus}",
-            "data.vocab_size=300", "trainer.max_steps=4", "trainer.eval_every=4", "data.test_splits=[]"]  # fmt: skip
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+            "data.vocab_size=300", "trainer.max_steps=4", "trainer.eval_every=4", "data.test_splits=[]",
+            "trainer.attention_images=false"]  # fmt: skip
+    result = forked.run(args, timeout=900)
     assert result.returncode == 0, result.stderr[-2000:]
     return run_dir
 

@@ -22,6 +22,13 @@ from .conftest import BOS, EOS, PAD, make_model, random_tokens
 
 pytestmark = pytest.mark.isa  # runs again under each instruction-set limit (tests/isa_matrix.py)
 
+
+def compiling(test):
+    """A test that compiles programs (about 20 s each, with the C++ compiler): end to end (e2e)."""
+    test = pytest.mark.e2e(test)
+    return pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")(test)
+
+
 TEACHER_LIKE = {"positional": "rope", "norm": "rmsnorm", "activation": "swiglu", "norm_first": True, "n_kv_heads": 2}
 
 
@@ -85,11 +92,11 @@ def program_source(cache: Path) -> str:
     return "\n".join(sources)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+@compiling
 @pytest.mark.parametrize(
     "variant, library",
-    [({}, "blas"), (TEACHER_LIKE, "blas"), (TEACHER_LIKE, "onednn")],
-    ids=["post-norm", "rope-swiglu-gqa", "rope-swiglu-gqa-onednn"],
+    [({}, "blas"), (TEACHER_LIKE, "onednn")],  # each model and each library (two programs each)
+    ids=["post-norm-blas", "rope-swiglu-gqa-onednn"],
 )
 def test_compiled_steps_equal_the_eager_steps(variant, library, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
@@ -122,7 +129,7 @@ def test_compiled_steps_equal_the_eager_steps(variant, library, tmp_path, monkey
     assert "fp32 products" in caplog.text and "chosen by the test" in caplog.text
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
+@compiling
 def test_a_model_whose_weights_change_decodes_with_its_new_weights(tmp_path, monkeypatch, caplog):
     """A program holds the weights it was compiled with. After an optimizer step (fused Adam,
     which leaves version counters as they were) and after a checkpoint is loaded, the model's next
@@ -178,33 +185,31 @@ def test_the_program_key_covers_every_file_the_trace_runs_through():
     assert Path(inspect.getsourcefile(compiled.FastMultiHeadAttention)).resolve() in sources
 
 
-def int8_cases() -> list[tuple[str, str]]:
-    """(kernel, library) pairs that run each int8 kernel of this torch and each library of the
-    program's fp32 products: in an int8 program the decoder's products are int8, so the library
-    reaches only what is left (the output of freezing), and each pair costs two compilations."""
-    kernels, libraries = [k for k in int8.KERNELS if int8.kernel_available(k)], ["blas", "onednn"]
-    if len(kernels) == 1:
-        return [(kernels[0], library) for library in libraries]
-    return [(kernel, libraries[i % 2]) for i, kernel in enumerate(kernels)]
-
-
-@pytest.mark.skipif(shutil.which("g++") is None, reason="compiling needs a C++ compiler")
-@pytest.mark.parametrize("kernel, library", int8_cases())
-def test_compiled_int8_steps_equal_the_eager_int8_steps(kernel, library, tmp_path, monkeypatch):
-    """int8 with the compiled step: the program calls the decoder's int8 layers on their kernel
-    (int8_call.Int8Call) and equals the same quantized model decoding eagerly, step by step and in
-    greedy and beam search, with its fp32 products on either library."""
+@compiling
+def test_compiled_int8_steps_equal_the_eager_int8_steps(tmp_path, monkeypatch):
+    """int8 with the compiled step: the program calls the decoder's int8 layers on their kernels
+    (int8_call.Int8Call; layers of different shapes on different kernels where this torch has
+    several) and equals the same quantized model decoding eagerly, step by step and in greedy and
+    beam search. Its fp32 products on oneDNN: the program is frozen, int8 calls included."""
     monkeypatch.setenv("TRANSFORMER_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    products_on(monkeypatch, library)
-    plan = int8.Int8Plan(int8.exact_weight_levels(kernel), "test", kernel=kernel)
-    monkeypatch.setattr(int8, "kernel_plan", lambda onednn, shape: plan)
+    products_on(monkeypatch, "onednn")
+    kernels = [k for k in int8.KERNELS if int8.kernel_available(k)]
+    shapes = []
+
+    def kernel_plan(onednn, shape):  # each new shape on the next kernel
+        if shape not in shapes:
+            shapes.append(shape)
+        kernel = kernels[shapes.index(shape) % len(kernels)]
+        return int8.Int8Plan(int8.exact_weight_levels(kernel), "test", kernel=kernel)
+
+    monkeypatch.setattr(int8, "kernel_plan", kernel_plan)
     src = random_tokens(5, 9)
     src[3:, 6:] = PAD
     tgt = random_tokens(5, 7)
     eager, model = fast_model(False, int8=True, **TEACHER_LIKE), fast_model(True, int8=True, **TEACHER_LIKE)
     layers = int8_call.int8_layers(model.decoder_layers)
-    assert layers and all(layer.kernel == kernel for layer in layers.values())
+    assert {layer.kernel for layer in layers.values()} == set(kernels)
     assert_steps_equal(eager, model, src, tgt)
     assert model.compiled_step.programs[1] is not None
     rows = count_compiled(monkeypatch)

@@ -23,6 +23,7 @@ from transformer.errors import ConfigError
 from transformer.training.config import DistillConfig
 from transformer.training.distill import differing, filter_pairs, stage_of
 
+from . import forked
 from .conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -31,8 +32,11 @@ pytestmark = pytest.mark.e2e
 STUDENT = ["experiment=smoke", "trainer.max_steps=6", "trainer.eval_every=3", "trainer.eval_bleu=false"]
 
 
-def run(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, **kwargs)
+def run(args: list[str]) -> subprocess.CompletedProcess:
+    """`python *args`, forked from a warm interpreter (tests/forked.py); `-c CODE` in a fresh one."""
+    if args[0] == "-c":
+        return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return forked.run(args)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +50,10 @@ def teacher(tmp_path_factory, shared_corpus) -> Path:
     return run_dir / "checkpoint_best.pt"
 
 
-def distill(teacher: Path, corpus: Path, run_dir: Path, *extra: str, **kwargs):
+def distill(teacher: Path, corpus: Path, run_dir: Path, *extra: str):
     args = ["distill.py", f"teacher={teacher}", f"data.dir={corpus}", f"hydra.run.dir={run_dir}", *STUDENT,
             "distill.max_length_ratio=100", *extra]  # fmt: skip
-    return run(args, **kwargs)
+    return run(args)
 
 
 def weights(path: Path) -> dict:
