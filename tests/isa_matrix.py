@@ -16,6 +16,7 @@ and kernels; exits 1 if any setting failed.
     python -m tests.isa_matrix                       # every setting
     python -m tests.isa_matrix settings=avx2 -- -x   # one setting; arguments after -- go to pytest
     python -m tests.isa_matrix settings=avx2 tests=all   # the whole suite, not only the isa tests
+    python -m tests.isa_matrix settings=avx2 tests=kernels   # the whole suite but the tests marked isa_free
 """
 
 from __future__ import annotations
@@ -60,14 +61,18 @@ def expected_limit(variable: str) -> str | None:
     return os.environ.get(variable) or None
 
 
-def run_setting(name: str, pytest_args: list[str], everything: bool = False) -> tuple[bool, float, list[str], str]:
-    """(passed, seconds, kernel lines, pytest's last line) of the isa tests (every test with
-    `everything`) under one setting."""
+# tests= -> the tests' marker expression: the isa tests, every test that runs a kernel (all but
+# those marked isa_free, which assert only what no limit changes), or the whole suite.
+TESTS = {"isa": ["-m", "isa"], "kernels": ["-m", "not isa_free"], "all": []}
+
+
+def run_setting(name: str, pytest_args: list[str], tests: str = "isa") -> tuple[bool, float, list[str], str]:
+    """(passed, seconds, kernel lines, pytest's last line) of the tests chosen by `tests` (TESTS)
+    under one setting."""
     limits = ISA_LIMITS[name]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        marker = [] if everything else ["-m", "isa"]
-        command = [sys.executable, "-m", "pytest", *marker, "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
+        command = [sys.executable, "-m", "pytest", *TESTS[tests], "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
         start = time.monotonic()
         env = {**os.environ, **limits, SETTING_VARIABLE: name}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -95,16 +100,16 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: settings={','.join(unknown)} unknown; choose from {','.join(SETTINGS)}", file=sys.stderr)
         return 2
-    if options.get("tests", "isa") not in ("isa", "all"):
-        print(f"error: tests={options['tests']} unknown; choose from isa,all", file=sys.stderr)
+    tests = options.get("tests", "isa")
+    if tests not in TESTS:
+        print(f"error: tests={tests} unknown; choose from {','.join(TESTS)}", file=sys.stderr)
         return 2
-    everything = options.get("tests") == "all"
     failed = []
     for name in names:
         what, limits = SETTINGS[name], ISA_LIMITS[name]
-        passed, seconds, kernels, summary = run_setting(name, pytest_args, everything)
-        tests = "every test" if everything else "the isa tests"
-        print(f"== {name} ({what}), {tests}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
+        passed, seconds, kernels, summary = run_setting(name, pytest_args, tests)
+        chosen = {"isa": "the isa tests", "kernels": "every test but the isa_free ones", "all": "every test"}[tests]
+        print(f"== {name} ({what}), {chosen}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
         print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")
         for line in sorted(kernels, key=lambda k: not k.startswith(PROOFS)):  # the proofs first
             proof = line.startswith(PROOFS)

@@ -17,6 +17,8 @@ from .conftest import ROOT
 from .test_cli import assert_one_line_error, run, train
 from .test_configs import compose_config
 
+pytestmark = pytest.mark.isa_free  # no kernel an instruction-set limit changes: `make test-avx2` leaves it out
+
 # (overrides of the composed config, separated by spaces; the key the error must name)
 REFUSED = [
     # model (the default experiment's model is small_modern: rotary positions)

@@ -16,6 +16,8 @@ from transformer.model.attention_variants import VARIANTS, AttentionConfig
 
 from .test_cli import assert_one_line_error, run
 
+pytestmark = pytest.mark.isa_free  # no kernel an instruction-set limit changes: `make test-avx2` leaves it out
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 COMMAND_GROUPS = {"scheduler"}  # translate.py's and serve.py's settings, not train.py's
 GROUP_OPTIONS = [

@@ -8,6 +8,8 @@ from transformer.data.batching import token_batches
 
 from .conftest import write_corpus
 
+pytestmark = pytest.mark.isa_free  # no kernel an instruction-set limit changes: `make test-avx2` leaves it out
+
 
 def test_reads_gzip_and_plain_files_stripping_whitespace(tmp_path):
     write_corpus(tmp_path, "train", {"de": ["  Ein Hund. ", "Zwei\u00a0"]}, gz=True)

@@ -12,6 +12,8 @@ from transformer import openmp
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.isa_free  # no kernel an instruction-set limit changes: `make test-avx2` leaves it out
+
 
 def test_the_spin_count_is_set_only_where_the_user_chose_neither_variable():
     environ = {}

@@ -10,6 +10,8 @@ from transformer.significance import bootstrap_differences, compare, metrics, pa
 
 from .conftest import DATA
 
+pytestmark = pytest.mark.isa_free  # no kernel an instruction-set limit changes: `make test-avx2` leaves it out
+
 
 @pytest.fixture(scope="module")
 def references() -> list[str]:
