@@ -83,13 +83,15 @@ class BenchConfig:
         None  # avx2: measure with oneDNN, ATen and MKL kept to AVX2, as on a CPU without AVX-512 (no bf16)
     )
     busy: int = 0  # other processes that keep a core busy during every measurement, as on a loaded machine
+    peak_repeats: int = 10  # products timed for the dense matmul peak, each round; fewer: a quicker, noisier peak
     one: Optional[str] = None  # internal: "impl,preset,precision" runs one measurement in this process
     batches: Optional[str] = None  # internal: the file of batches the measurement processes share
 
     def __post_init__(self) -> None:
         if self.isa is not None and self.isa not in ISA_LIMITS:
             raise ValueError(f"isa={self.isa!r} is not one of {tuple(ISA_LIMITS)} (or null)")
-        for key, low in (("steps", 1), ("rounds", 1), ("max_tokens", 1), ("threads", 0), ("busy", 0)):
+        lows = {"steps": 1, "rounds": 1, "max_tokens": 1, "threads": 0, "busy": 0, "peak_repeats": 1}
+        for key, low in lows.items():
             if getattr(self, key) < low:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= {low}")
 
@@ -106,7 +108,7 @@ def real_batches(cfg: BenchConfig, n: int) -> list[tuple[torch.Tensor, torch.Ten
     from transformer.data.tokenizer import Tokenizer
 
     ds = load_split(DataConfig(dir=cfg.data_dir), "train")
-    tokenizer = Tokenizer.train(list(ds["src"]) + list(ds["tgt"]), VOCAB, "unigram")
+    tokenizer = Tokenizer.train(ds["src"][:] + ds["tgt"][:], VOCAB, "unigram")  # whole columns: not row by row
     corpus = tokenize(ds, tokenizer)
     order = token_batches(corpus.lengths(), cfg.max_tokens, np.random.default_rng(0))[:n]
     if len(order) < n:
@@ -284,7 +286,7 @@ def measure_rounds(cfg: BenchConfig, impls: list[str], precisions: list[str], pe
     runs: dict[tuple, list[dict]] = {}
     for round_ in range(cfg.rounds):
         if round_:
-            peaks.update({p: max(peaks[p], matmul_peak(DTYPES[p], device)) for p in precisions})
+            peaks.update({p: max(peaks[p], matmul_peak(DTYPES[p], device, cfg.peak_repeats)) for p in precisions})
         order = impls if round_ % 2 == 0 else impls[::-1]
         for preset, precision, impl in itertools.product(cfg.presets, precisions, order):
             if preset in BLOCKS and not impl.startswith("ours"):
@@ -314,7 +316,7 @@ def main(argv: list[str]) -> None:
     info = hardware()
     has_bf16 = device.type == "cuda" or (cpu_has_bf16_matmul() and cfg.isa is None)
     precisions = [p for p in cfg.precisions if p == "fp32" or has_bf16]
-    peaks = {p: matmul_peak(DTYPES[p], device) for p in precisions}
+    peaks = {p: matmul_peak(DTYPES[p], device, cfg.peak_repeats) for p in precisions}
     info["busy_processes"] = cfg.busy
     print(json.dumps(info))
     peak_text = ", ".join(f"{p} {peaks[p]:.0f} GFLOP/s" for p in precisions)

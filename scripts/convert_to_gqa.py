@@ -36,15 +36,17 @@ from transformer import checkpoint
 from transformer.cli import parse_args, setup_logging
 from transformer.config import Config, to_config
 from transformer.data import load_split
-from transformer.data.batching import collate, token_batches, tokenize
+from transformer.data.batching import TokenizedCorpus, collate, token_batches, tokenize
+from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import DecodeConfig
 from transformer.devices import pick_device
 from transformer.errors import ConfigError, exit_on_user_error
 from transformer.evaluation import score
 from transformer.files import atomic_write_text, check_output, same_file
 from transformer.interop.gqa import convert_to_gqa, kv_cache_bytes_per_token
+from transformer.model import Transformer
 from transformer.training import Trainer
-from transformer.training.experiment import prepare_data
+from transformer.training.experiment import prepare_data, seed_everything
 from transformer.translator import Translator
 
 log = logging.getLogger("convert_to_gqa")
@@ -95,6 +97,8 @@ def calibration_batches(train, tokenizer, n: int, device) -> list:
 
 
 def finetune(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, train, valid, run_dir: Path) -> None:
+    """cfg.finetune_steps steps of the training run's recipe at cfg.finetune_lr, from the training
+    run's seed: a conversion fine-tunes alike whether it is the only one in its process or not."""
     trainer_cfg = dataclasses.replace(
         train_cfg.trainer,
         lr=cfg.finetune_lr,
@@ -110,9 +114,109 @@ def finetune(model, tokenizer, train_cfg: Config, cfg: ConvertConfig, train, val
         overwrite=True,
     )
     run_cfg = dataclasses.replace(train_cfg, trainer=trainer_cfg, model=model.cfg)
+    seed_everything(train_cfg.seed)
     trainer = Trainer(run_cfg, run_dir, model, tokenizer, train, valid)
     trainer.fit()
     trainer.monitor.close()
+
+
+@dataclass
+class Original:
+    """The MHA checkpoint: loaded, scored and its training data prepared once, however many
+    conversions are made of it (scripts/lab/attention_lab.py makes four in one process)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    payload: dict
+    train_cfg: Config
+    bleu: dict[str, float] = field(default_factory=dict)
+    train: Optional[TokenizedCorpus] = None
+    valid: Optional[TokenizedCorpus] = None
+
+
+def load_original(cfg: ConvertConfig, device) -> Original:
+    loaded = Translator.load(cfg.checkpoint, [], str(device), cfg.decode)
+    train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(loaded.payload, cfg.checkpoint)))
+    return Original(loaded.model, loaded.tokenizer, loaded.payload, train_cfg)
+
+
+def score_original(original: Original, cfg: ConvertConfig, device) -> None:
+    log.info("scoring the MHA model")
+    original.bleu = bleu_scores(original.model, original.tokenizer, original.train_cfg, cfg, device)
+    _, original.train, original.valid = prepare_data(original.train_cfg, original.tokenizer)
+
+
+@dataclass
+class Outputs:
+    """Where one conversion writes: the converted checkpoint, its results, the fine-tuning's run."""
+
+    checkpoint: Path
+    results: Path
+    run_dir: Path
+
+
+def check_conversion(cfg: ConvertConfig, original: Original) -> Outputs:
+    """The outputs of converting `original` as cfg asks, checked before anything is scored."""
+    try:
+        dataclasses.replace(original.model.cfg, n_kv_heads=cfg.n_kv_heads)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    suffix = f"_gqa{cfg.n_kv_heads}" + ("_ft" if cfg.finetune_steps else "")
+    output = check_output(cfg.output or Path(cfg.checkpoint).with_name(Path(cfg.checkpoint).stem + suffix + ".pt"), [cfg.checkpoint])  # fmt: skip
+    results = check_output(cfg.results or output.with_suffix(".json"), [cfg.checkpoint, output], key="results")
+    run_dir = output.with_suffix("")  # where fine-tuning writes its checkpoints
+    if cfg.finetune_steps and same_file(run_dir, Path(cfg.checkpoint).parent):
+        raise ConfigError(f"output={output}: fine-tuning would write into {run_dir}, beside checkpoint={cfg.checkpoint}; choose another output")  # fmt: skip
+    return Outputs(output, results, run_dir)
+
+
+def convert(original: Original, cfg: ConvertConfig, outputs: Outputs, device) -> dict:
+    """The scored `original` converted as cfg asks, scored, fine-tuned and scored again; writes the
+    converted checkpoint and the results, and returns the results."""
+    model, tokenizer, train_cfg = original.model, original.tokenizer, original.train_cfg
+    converted_cfg = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)
+    results: dict = {"checkpoint": cfg.checkpoint, "n_heads": model.cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
+    results["kv_cache_bytes_before"] = kv_cache_bytes_per_token(model.cfg)
+    results["kv_cache_bytes_after"] = kv_cache_bytes_per_token(converted_cfg)
+    results["bleu_before"] = dict(original.bleu)
+
+    calibration = calibration_batches(original.train, tokenizer, cfg.calibration, device) if cfg.align else None
+    started = time.monotonic()
+    try:
+        converted = convert_to_gqa(model, cfg.n_kv_heads, calibration)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    results["convert_seconds"] = round(time.monotonic() - started, 2)
+    log.info("converted to %d key/value heads in %.1fs; scoring", cfg.n_kv_heads, results["convert_seconds"])
+    results["bleu_converted"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
+
+    if cfg.finetune_steps:
+        outputs.run_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        finetune(converted, tokenizer, train_cfg, cfg, original.train, original.valid, outputs.run_dir)
+        results["finetune_steps"] = cfg.finetune_steps
+        results["finetune_minutes"] = round((time.monotonic() - started) / 60, 2)
+        results["bleu_finetuned"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
+
+    payload = original.payload
+    checkpoint.save(outputs.checkpoint, converted, tokenizer, train_config=payload["train_config"], step=payload.get("step", 0), converted_from=cfg.checkpoint)  # fmt: skip
+    atomic_write_text(outputs.results, json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def convert_all(configs: list[ConvertConfig]) -> list[dict]:
+    """Several conversions of one checkpoint in this process, which share its device, decoding and
+    splits: it is loaded, scored and its data prepared once, and every conversion's outputs are
+    checked before anything is scored. Returns the results of each."""
+    shared = ("checkpoint", "device", "decode", "splits")
+    differ = [key for key in shared if any(getattr(cfg, key) != getattr(configs[0], key) for cfg in configs)]
+    if differ:
+        raise ConfigError(f"conversions made together share {', '.join(shared)}; these differ: {', '.join(differ)}")
+    device = pick_device(configs[0].device)
+    original = load_original(configs[0], device)
+    outputs = [check_conversion(cfg, original) for cfg in configs]
+    score_original(original, configs[0], device)
+    return [convert(original, cfg, out, device) for cfg, out in zip(configs, outputs)]
 
 
 def main(argv: list[str]) -> None:
@@ -120,49 +224,12 @@ def main(argv: list[str]) -> None:
     with exit_on_user_error():
         cfg = parse_args(argv, ConvertConfig, __doc__)
         device = pick_device(cfg.device)
-        loaded = Translator.load(cfg.checkpoint, [], str(device), cfg.decode)
-        model, tokenizer, payload = loaded.model, loaded.tokenizer, loaded.payload
-        train_cfg = to_config(OmegaConf.create(checkpoint.train_config_of(payload, cfg.checkpoint)))
-        try:
-            converted_model_check = dataclasses.replace(model.cfg, n_kv_heads=cfg.n_kv_heads)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        suffix = f"_gqa{cfg.n_kv_heads}" + ("_ft" if cfg.finetune_steps else "")
-        output = check_output(cfg.output or Path(cfg.checkpoint).with_name(Path(cfg.checkpoint).stem + suffix + ".pt"), [cfg.checkpoint])  # fmt: skip
-        results_path = check_output(cfg.results or output.with_suffix(".json"), [cfg.checkpoint, output], key="results")
-        run_dir = output.with_suffix("")  # where fine-tuning writes its checkpoints
-        if cfg.finetune_steps and same_file(run_dir, Path(cfg.checkpoint).parent):
-            raise ConfigError(f"output={output}: fine-tuning would write into {run_dir}, beside checkpoint={cfg.checkpoint}; choose another output")  # fmt: skip
-
-        results: dict = {"checkpoint": cfg.checkpoint, "n_heads": model.cfg.n_heads, "n_kv_heads": cfg.n_kv_heads}
-        results["kv_cache_bytes_before"] = kv_cache_bytes_per_token(model.cfg)
-        results["kv_cache_bytes_after"] = kv_cache_bytes_per_token(converted_model_check)
-        log.info("scoring the MHA model")
-        results["bleu_before"] = bleu_scores(model, tokenizer, train_cfg, cfg, device)
-
-        _, train, valid = prepare_data(train_cfg, tokenizer)
-        calibration = calibration_batches(train, tokenizer, cfg.calibration, device) if cfg.align else None
-        started = time.monotonic()
-        try:
-            converted = convert_to_gqa(model, cfg.n_kv_heads, calibration)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        results["convert_seconds"] = round(time.monotonic() - started, 2)
-        log.info("converted to %d key/value heads in %.1fs; scoring", cfg.n_kv_heads, results["convert_seconds"])
-        results["bleu_converted"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
-
-        if cfg.finetune_steps:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            started = time.monotonic()
-            finetune(converted, tokenizer, train_cfg, cfg, train, valid, run_dir)
-            results["finetune_steps"] = cfg.finetune_steps
-            results["finetune_minutes"] = round((time.monotonic() - started) / 60, 2)
-            results["bleu_finetuned"] = bleu_scores(converted, tokenizer, train_cfg, cfg, device)
-
-        checkpoint.save(output, converted, tokenizer, train_config=payload["train_config"], step=payload.get("step", 0), converted_from=cfg.checkpoint)  # fmt: skip
-        atomic_write_text(results_path, json.dumps(results, indent=2) + "\n")
+        original = load_original(cfg, device)
+        outputs = check_conversion(cfg, original)
+        score_original(original, cfg, device)
+        results = convert(original, cfg, outputs, device)
         print(json.dumps(results, indent=2))
-        print(f"wrote {output} and {results_path}")
+        print(f"wrote {outputs.checkpoint} and {outputs.results}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ the table of docs/ATTENTION.md.
 Each variant is one `train.py` run (the default experiment, multi30k_de_en, with the overrides
 below and trainer.max_minutes=minutes) in out/<variant>; a finished run (results.json present)
 is reused. Then, for each run: beam-5 decoding speed on test_2016_flickr, the key/value cache
-per generated token, and, from the MHA run, MHA -> GQA conversions (scripts/convert_to_gqa.py).
+per generated token, and, from the MHA run, MHA -> GQA conversions (scripts/convert_to_gqa.py's,
+all in this process: the MHA checkpoint is loaded and scored once).
 Hyper-parameters are those of the default recipe, chosen on the validation split; the test
 split is only scored.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformer.checkpoint import load_model, train_config_of
-from transformer.cli import parse_args
+from transformer.cli import parse_args, setup_logging
 from transformer.data import DataConfig, load_split
 from transformer.decoding import DecodeConfig
 from transformer.errors import ConfigError, exit_on_user_error
@@ -101,17 +102,29 @@ def decode_speed(run_dir: Path, n: int) -> float:
     return len(sources) / (time.perf_counter() - started)
 
 
-def convert(name: str, spec: tuple, out: Path, finetune_steps: int) -> None:
-    k, align, finetune = spec
-    steps = finetune_steps if finetune else 0
-    output = out / "conversions" / f"{name}.pt"
-    if output.with_suffix(".json").is_file():
-        print(f"{name}: reusing {output}")
+def convert_all(out: Path, finetune_steps: int) -> None:
+    """The MHA -> GQA conversions of the mha run's best checkpoint not made yet, in this process
+    (scripts/convert_to_gqa.py's convert_all: the checkpoint is loaded and scored once for all)."""
+    todo = {}
+    for name, (k, align, finetune) in CONVERSIONS.items():
+        output = out / "conversions" / f"{name}.pt"
+        if output.with_suffix(".json").is_file():
+            print(f"{name}: reusing {output}")
+            continue
+        steps = finetune_steps if finetune else 0
+        todo[name] = [f"checkpoint={out / 'mha' / 'checkpoint_best.pt'}", f"n_kv_heads={k}", f"align={str(align).lower()}", f"finetune_steps={steps}", f"output={output}"]  # fmt: skip
+    if not todo:
         return
-    output.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "scripts/convert_to_gqa.py", f"checkpoint={out / 'mha' / 'checkpoint_best.pt'}", f"n_kv_heads={k}", f"align={str(align).lower()}", f"finetune_steps={steps}", f"output={output}"]  # fmt: skip
-    print(f"{name}: {' '.join(command[1:])}", flush=True)
-    subprocess.run(command, cwd=ROOT, check=True)
+    (out / "conversions").mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import convert_to_gqa
+
+    setup_logging()
+    configs = []
+    for name, args in todo.items():
+        print(f"{name}: scripts/convert_to_gqa.py {' '.join(args)}", flush=True)  # the same conversion on its own
+        configs.append(parse_args(args, convert_to_gqa.ConvertConfig, convert_to_gqa.__doc__, "convert_to_gqa"))
+    convert_to_gqa.convert_all(configs)
 
 
 EQUAL_STEP = 500  # every run validates here (eval_every): a comparison per step that CPU contention cannot skew
@@ -206,8 +219,8 @@ def main(argv: list[str]) -> None:
         for name in names:
             train(name, VARIANTS[name][1], cfg, out)
         if cfg.conversions and "mha" in names:
-            for name, spec in CONVERSIONS.items():
-                convert(name, spec, out, cfg.finetune_steps)
+            with exit_on_user_error():
+                convert_all(out, cfg.finetune_steps)
     with exit_on_user_error():
         print(report(cfg, out, names, doc))
 
