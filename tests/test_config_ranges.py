@@ -177,6 +177,7 @@ SCRIPTS = [
     ("benchmarks/benchmark", "BenchConfig", "", "rounds=0", "rounds"),
     ("benchmarks/benchmark", "BenchConfig", "", "max_tokens=0", "max_tokens"),
     ("benchmarks/benchmark", "BenchConfig", "", "threads=-1", "threads"),
+    ("benchmarks/benchmark", "BenchConfig", "", "peak_repeats=0", "peak_repeats"),
     ("benchmarks/benchmark_decoding", "BenchConfig", "", "sentences=0", "sentences"),
     ("benchmarks/benchmark_decoding", "BenchConfig", "", "beam_size=0", "beam_size"),
     ("benchmarks/benchmark_decoding", "BenchConfig", "", "vocab_size=4", "vocab_size"),
