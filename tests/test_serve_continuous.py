@@ -286,9 +286,16 @@ def test_a_failure_in_the_decoding_thread_answers_its_requests_with_a_500_and_it
         app = serving_app.create_app(translator, ServeLimits(), SchedulerConfig(kind="continuous", pool_mib=1))
         async with served(app) as client:
             batcher = app.state.service.batcher
-            held = threading.Event()  # the thread waits in a call until both requests are queued
-            gate = asyncio.ensure_future(batcher.call(held.wait, 120))
-            assert await async_wait_for(lambda: not batcher.calls)
+            # The thread waits in a call until both requests are queued. Waiting for it to be in the
+            # call, not for an empty queue of calls: the call may not be queued yet.
+            inside, held = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                inside.set()
+                held.wait(120)
+
+            gate = asyncio.ensure_future(batcher.call(hold))
+            assert await async_wait_for(inside.is_set)
             break_once(where, batcher, monkeypatch)
             sent = [asyncio.ensure_future(client.post("/v1/translate", json={"text": t})) for t in (texts[:2], texts[2:])]  # fmt: skip
             assert await async_wait_for(lambda: len(batcher) == 2)
