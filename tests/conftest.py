@@ -38,21 +38,6 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 
-# Modules whose module-scoped fixtures train a model, build a Marian model or start a server for
-# their tests: each runs on one test worker (pytest-xdist's loadgroup, see pyproject.toml), so the
-# fixture is built once, not once per worker its tests were spread over.
-ONE_WORKER = {"test_bad_inputs", "test_cli", "test_distill", "test_export", "test_finetune", "test_marian",
-              "test_multilingual", "test_serve", "test_shortlist"}  # fmt: skip
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's worker reads the xdist_group markers
-def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if module in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
 def write_corpus(directory: Path, split: str, pairs: dict[str, list[str]], gz: bool = True) -> None:
     """Write one split as {split}.{lang}[.gz] files, one sentence per line."""
     directory.mkdir(parents=True, exist_ok=True)
