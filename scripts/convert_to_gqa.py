@@ -204,10 +204,11 @@ def convert(original: Original, cfg: ConvertConfig, outputs: Outputs, device) ->
     return results
 
 
-def convert_all(configs: list[ConvertConfig]) -> list[dict]:
-    """Several conversions of one checkpoint in this process, which share its device, decoding and
-    splits: it is loaded, scored and its data prepared once, and every conversion's outputs are
-    checked before anything is scored. Returns the results of each."""
+def convert_all(configs: list[ConvertConfig]) -> list[tuple[dict, Outputs]]:
+    """Conversions of one checkpoint in this process (one for the command, several for
+    scripts/lab/attention_lab.py), which share its device, decoding and splits: it is loaded,
+    scored and its data prepared once, and every conversion's outputs are checked before anything
+    is scored. Returns the results of each and where they were written."""
     shared = ("checkpoint", "device", "decode", "splits")
     differ = [key for key in shared if any(getattr(cfg, key) != getattr(configs[0], key) for cfg in configs)]
     if differ:
@@ -216,18 +217,13 @@ def convert_all(configs: list[ConvertConfig]) -> list[dict]:
     original = load_original(configs[0], device)
     outputs = [check_conversion(cfg, original) for cfg in configs]
     score_original(original, configs[0], device)
-    return [convert(original, cfg, out, device) for cfg, out in zip(configs, outputs)]
+    return [(convert(original, cfg, out, device), out) for cfg, out in zip(configs, outputs)]
 
 
 def main(argv: list[str]) -> None:
     setup_logging()
     with exit_on_user_error():
-        cfg = parse_args(argv, ConvertConfig, __doc__)
-        device = pick_device(cfg.device)
-        original = load_original(cfg, device)
-        outputs = check_conversion(cfg, original)
-        score_original(original, cfg, device)
-        results = convert(original, cfg, outputs, device)
+        ((results, outputs),) = convert_all([parse_args(argv, ConvertConfig, __doc__)])
         print(json.dumps(results, indent=2))
         print(f"wrote {outputs.checkpoint} and {outputs.results}")
 

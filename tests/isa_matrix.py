@@ -61,9 +61,13 @@ def expected_limit(variable: str) -> str | None:
     return os.environ.get(variable) or None
 
 
-# tests= -> the tests' marker expression: the isa tests, every test that runs a kernel (all but
-# those marked isa_free, which assert only what no limit changes), or the whole suite.
-TESTS = {"isa": ["-m", "isa"], "kernels": ["-m", "not isa_free"], "all": []}
+# tests= -> (the tests' marker expression, what it chooses): the isa tests, every test that runs a
+# kernel (all but those marked isa_free, which assert only what no limit changes), or the whole suite.
+TESTS = {
+    "isa": (["-m", "isa"], "the isa tests"),
+    "kernels": (["-m", "not isa_free"], "every test but the isa_free ones"),
+    "all": ([], "every test"),
+}
 
 
 def run_setting(name: str, pytest_args: list[str], tests: str = "isa") -> tuple[bool, float, list[str], str]:
@@ -72,7 +76,7 @@ def run_setting(name: str, pytest_args: list[str], tests: str = "isa") -> tuple[
     limits = ISA_LIMITS[name]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.xml"
-        command = [sys.executable, "-m", "pytest", *TESTS[tests], "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
+        command = [sys.executable, "-m", "pytest", *TESTS[tests][0], "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]  # fmt: skip
         start = time.monotonic()
         env = {**os.environ, **limits, SETTING_VARIABLE: name}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -108,8 +112,7 @@ def main(argv: list[str]) -> int:
     for name in names:
         what, limits = SETTINGS[name], ISA_LIMITS[name]
         passed, seconds, kernels, summary = run_setting(name, pytest_args, tests)
-        chosen = {"isa": "the isa tests", "kernels": "every test but the isa_free ones", "all": "every test"}[tests]
-        print(f"== {name} ({what}), {chosen}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
+        print(f"== {name} ({what}), {TESTS[tests][1]}: {' '.join(f'{k}={v}' for k, v in limits.items())}")
         print(f"   {'passed' if passed else 'FAILED'} in {seconds:.0f} s: {summary}")
         for line in sorted(kernels, key=lambda k: not k.startswith(PROOFS)):  # the proofs first
             proof = line.startswith(PROOFS)
